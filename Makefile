@@ -1,0 +1,34 @@
+# `make demo` and `make test` work on a fresh machine with Python 3 and make: each creates .venv if
+# needed, installs what it needs once (stamp files make the second run fast), then does its job.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The torch release the project is tested with; on Linux/x86_64 pip may pick a CUDA build of
+# several GB from PyPI. Override with e.g. `make test TORCH_SPEC='torch>=2.6'`.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/dflash-train demo
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

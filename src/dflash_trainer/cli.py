@@ -1,0 +1,114 @@
+"""The ``dflash-train`` command line.
+
+    dflash-train demo     [--config FILE|PRESET ...] [--set KEY=VALUE ...]   the main job on a target
+    dflash-train config   [--config ...] [--set ...] [--keys]                 print the resolved config
+    dflash-train presets                                                      list built-in presets
+    dflash-train tiny-target eval|build                                       the embedded tiny target
+
+Every user error (bad config, missing file, bad override) ends with one line on stderr and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+
+from . import __version__
+from .config import dump_config, load_config, preset_names, valid_keys
+from .errors import UserError
+
+
+def _add_config_args(p: argparse.ArgumentParser, default_preset: str | None) -> None:
+    p.add_argument(
+        "--config", action="append", default=None, metavar="FILE|PRESET",
+        help="YAML file or built-in preset name; repeat to layer several (later wins)"
+        + (f"; default: {default_preset}" if default_preset else ""),
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="dotted override applied after all --config files, e.g. --set train.lr=3e-4",
+    )
+    p.set_defaults(default_preset=default_preset)
+
+
+def _resolve(args: argparse.Namespace):
+    sources = args.config if args.config is not None else ([args.default_preset] if args.default_preset else [])
+    return load_config(sources, args.overrides)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    if args.keys:
+        print("\n".join(valid_keys()))
+        return 0
+    sys.stdout.write(dump_config(_resolve(args)))
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    for name in preset_names():
+        text = (resources.files("dflash_trainer") / "presets" / f"{name}.yaml").read_text(encoding="utf-8")
+        first = next((line[1:].strip() for line in text.splitlines() if line.startswith("#")), "")
+        print(f"{name:20s} {first}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(_resolve(args), prompt=args.prompt, max_new_tokens=args.max_new_tokens, eval_files=args.eval_files)
+    return 0
+
+
+def _cmd_tiny_target(args: argparse.Namespace) -> int:
+    if args.action == "build":
+        from .tiny_target.build import main as build_main
+
+        return build_main(args.rest)
+    from .tiny_target.report import main as report_main
+
+    return report_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash drafters for speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"dflash-trainer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the main job on a target (default: the embedded tiny target)")
+    _add_config_args(p, default_preset="tiny-demo")
+    p.add_argument("--prompt", default=None, help="text to continue greedily (default: a small Python function head)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--eval-files", type=int, default=24, help="held-out stdlib files to score")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("config", help="print the fully resolved config as YAML")
+    _add_config_args(p, default_preset=None)
+    p.add_argument("--keys", action="store_true", help="list every valid dotted key instead")
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("presets", help="list the built-in presets")
+    p.set_defaults(func=_cmd_presets)
+
+    p = sub.add_parser("tiny-target", help="evaluate or rebuild the embedded tiny target")
+    p.add_argument("action", choices=["eval", "build"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the action (see --help of each)")
+    p.set_defaults(func=_cmd_tiny_target)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dflash-train: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The typed schema of a run: the single source of truth for every setting.
+
+A run is configured by YAML files (``--config``, built-in preset names allowed) and dotted
+overrides (``--set train.lr=3e-4``); see ``loader.py``. Every model here forbids unknown keys so a
+typo is an error, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny target
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+class TargetConfig(Section):
+    """The frozen target LLM whose hidden states condition the drafter."""
+
+    path: str | None = Field(
+        TINY_TARGET,
+        description="local Hugging Face model folder, or 'tiny' for the embedded tiny target; "
+        "null in presets for real targets (set it with --set target.path=...)",
+    )
+    num_feature_layers: int = Field(5, ge=1, description="k: how many target layers feed the drafter")
+    layer_ids: list[int] | None = Field(
+        None,
+        description="z-lab layer ids (id l = output of decoder layer l); null = the default rule "
+        "round(1 + i*(n-4)/(k-1)) for an n-layer target",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _layer_ids_match_k(self) -> TargetConfig:
+        if self.layer_ids is not None:
+            if len(self.layer_ids) != self.num_feature_layers:
+                raise ValueError(
+                    f"layer_ids has {len(self.layer_ids)} ids but num_feature_layers is {self.num_feature_layers}"
+                )
+            if any(i < 0 for i in self.layer_ids) or len(set(self.layer_ids)) != len(self.layer_ids):
+                raise ValueError(f"layer_ids must be distinct and non-negative, got {self.layer_ids}")
+        return self
+
+
+class DrafterConfig(Section):
+    """The DFlash drafter: a few Qwen3-style decoder layers with KV injection of target features."""
+
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(16, ge=2, description="B: anchor slot plus B-1 mask slots")
+    sliding_window_layers: list[int] = Field(
+        default_factory=list, description="drafter layers (0-based) that see only the last W context rows"
+    )
+    sliding_window: int = Field(2048, ge=1, description="W: context rows a sliding-window layer sees")
+    causal_in_block_sliding: bool = Field(False, description="sliding-window layers are causal inside the block")
+    noise: Literal["none", "uniform", "gaussian"] = Field("none", description="noise on context features (training only)")
+    noise_scale: float = Field(0.0, ge=0.0, description="s: uniform in [-s, s] or Gaussian std s")
+    mask_token_id: int | None = Field(None, ge=0, description="null = the tokenizer's <|MASK|> token")
+
+    @model_validator(mode="after")
+    def _sliding_layers_in_range(self) -> DrafterConfig:
+        bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"sliding_window_layers {bad} are outside 0..{self.num_layers - 1}")
+        return self
+
+
+class DataConfig(Section):
+    """Training and held-out data, packed into rows of seq_len tokens."""
+
+    train_files: list[str] = Field(default_factory=list, description="JSONL files or folders")
+    eval_files: list[str] = Field(default_factory=list)
+    seq_len: int = Field(4096, ge=2, description="tokens per packed row")
+    max_anchors: int = Field(512, ge=1, description="anchors (blocks) sampled per packed row")
+    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0, description="stop when more records are bad")
+
+
+class LossConfig(Section):
+    """L = sum_i w_i [(1-a) CE + a T^2 KL(q^T || p^T)] / sum_i w_i + lambda * CAP (DESIGN.md section 3)."""
+
+    gamma: float = Field(7.0, gt=0.0, description="slot weights w_k = exp(-(k-1)/gamma)")
+    kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="a: share of soft KL blended with CE")
+    temperature: float = Field(1.0, gt=0.0, description="T of the soft KL")
+    cap_weight: float = Field(0.0, ge=0.0, description="lambda of the CAP confidence loss")
+    cap_temperature: float = Field(1.0, gt=0.0, description="temperature of the CAP entropy")
+    labels: Literal["data", "teacher"] = Field("data", description="data tokens or the teacher's argmax")
+    chunk_size: int | None = Field(None, ge=1, description="rows per loss chunk; null = derived from memory")
+
+
+class TrainConfig(Section):
+    """Optimizer, schedule and bookkeeping."""
+
+    seed: int = 0
+    lr: float = Field(6e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.04, ge=0.0, le=1.0)
+    max_steps: int = Field(1000, ge=1)
+    rows_per_step: int = Field(1, ge=1, description="packed rows per micro-batch")
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0.0)
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="autocast dtype of the drafter")
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(200, ge=1)
+    save_every: int = Field(500, ge=1)
+
+
+class RunConfig(Section):
+    """A whole run. ``output_dir`` receives the resolved ``run.yaml`` and everything the run writes."""
+
+    name: str = "run"
+    output_dir: str = "runs/run"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _anchors_fit_row(self) -> RunConfig:
+        if self.drafter.block_size > self.data.seq_len:
+            raise ValueError(
+                f"drafter.block_size {self.drafter.block_size} exceeds data.seq_len {self.data.seq_len}"
+            )
+        return self

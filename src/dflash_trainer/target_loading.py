@@ -1,0 +1,48 @@
+"""Load a target causal LM and its tokenizer from a local folder, offline, with clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import TINY_TARGET, TargetConfig
+from .errors import UserError
+
+
+class TargetLoadError(UserError, ValueError):
+    """The configured target cannot be loaded; the message says why in one line."""
+
+
+def resolve_target_path(path: str | None) -> Path:
+    """``"tiny"`` -> the embedded tiny target; otherwise an existing local model folder."""
+    if path is None:
+        raise TargetLoadError("target.path is not set: pass --set target.path=/path/to/model (or 'tiny')")
+    if path == TINY_TARGET:
+        from .tiny_target import tiny_target_path
+
+        try:
+            return tiny_target_path()
+        except FileNotFoundError as exc:
+            raise TargetLoadError(str(exc)) from None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise TargetLoadError(f"target.path {path} is not a folder (models load from local paths only)")
+    if not (folder / "config.json").is_file():
+        raise TargetLoadError(f"target.path {path} has no config.json: not a Hugging Face model folder")
+    return folder
+
+
+def load_target(cfg: TargetConfig):
+    """``(model, tokenizer, path)``: the frozen target in eval mode, in ``cfg.dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_target_path(cfg.path)
+    dtype = getattr(torch, cfg.dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetLoadError(f"cannot load target from {folder}: {first}") from None
+    model.eval().requires_grad_(False)
+    return model, tokenizer, folder

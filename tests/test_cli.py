@@ -1,0 +1,55 @@
+"""The real `dflash-train` process: bad input ends with one stderr line and a non-zero exit."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["config", "--config", "no/such/file.yaml"], "config file not found: no/such/file.yaml"),
+        (["config", "--config", "BAD"], "cannot parse BAD"),
+        (["config", "--set", "train.lr"], "override 'train.lr' has no '='"),
+        (["config", "--set", "train.lrr=1"], "did you mean 'train.lr'?"),
+        (["config", "--set", "train.lr=fast"], "invalid value for 'train.lr'"),
+        (["demo", "--set", "target.path=/no/such/model"], "target.path /no/such/model is not a folder"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, args, needle):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {lr: 1\n")
+    args = [str(bad) if a == "BAD" else a for a in args]
+    needle = needle.replace("BAD", str(bad))
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dflash-train: error: ") and needle in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing half-written by a refused run
+
+
+def test_config_command_prints_resolved_yaml(tmp_path):
+    user = tmp_path / "mine.yaml"
+    user.write_text("train:\n  lr: 0.002\n")
+    result = run_cli("config", "--config", "tiny-demo", "--config", str(user), "--set", "train.max_steps=7")
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["name"] == "tiny-demo"
+    assert resolved["train"]["lr"] == 0.002 and resolved["train"]["max_steps"] == 7
+
+
+def test_presets_and_keys_listing():
+    presets = run_cli("presets")
+    assert presets.returncode == 0
+    assert {line.split()[0] for line in presets.stdout.splitlines()} >= {"tiny-demo", "baseline-v6", "ddtree-experiment"}
+    keys = run_cli("config", "--keys").stdout.split()
+    assert "train.lr" in keys and "drafter.block_size" in keys and "train" not in keys
