@@ -1,0 +1,180 @@
+"""Fused draft loss vs. the plain reference vs. Liger's chunked distillation loss, side by side.
+
+    .venv/bin/python benchmarks/bench_loss.py            # writes benchmarks/results/loss.{json,md}
+    .venv/bin/python benchmarks/bench_loss.py --quick    # first shape only
+
+Every (variant, shape) runs in its own subprocess, so its peak memory is that process's peak RSS
+(``ru_maxrss``) minus its RSS once the inputs exist; glibc is told to return large blocks to the
+OS at once (``MALLOC_MMAP_THRESHOLD_``) so that RSS follows live tensors. Inputs are fp32 on the CPU;
+time is forward+backward (median of the timed repetitions after one warm-up). GEMM efficiency is
+6NHV / time divided by the FLOP/s of a plain ``torch.mm`` of the chunk's shape, measured in the same
+run. Loss terms: CE blended with 15% soft KL (T=1), the terms all three implement; the fused loss is
+also run with CAP on (the ddtree-experiment terms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = [(4096, 256, 32000), (4096, 256, 151_936), (24_576, 256, 248_320)]
+CHUNK = 128  # rows per chunk for the fused loss and for Liger
+TERMS = {"kl_weight": 0.15, "temperature": 1.0}
+MACHINE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_inputs(n: int, h: int, v: int):
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(n, h, generator=g).requires_grad_()
+    ht = torch.randn(n, h, generator=g)
+    w_head = torch.randn(v, h, generator=g) * 0.05
+    labels = torch.randint(0, v, (n,), generator=g)
+    weights = torch.ones(n)
+    return hs, ht, w_head, labels, weights
+
+
+def worker(variant: str, n: int, h: int, v: int, reps: int) -> dict:
+    """Runs in a fresh process: time and peak extra memory of one variant at one shape."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    hs, ht, w_head, labels, weights = make_inputs(n, h, v)
+    if variant.startswith("fused"):
+        from dflash_trainer.loss import fused_draft_loss
+
+        extra = {"cap_weight": 0.1} if variant == "fused+cap" else {}
+
+        def step():
+            loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=CHUNK, **TERMS, **extra)
+            loss.backward()
+    elif variant == "reference":
+        from dflash_trainer.loss import reference_draft_loss
+
+        def step():
+            loss, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **TERMS)
+            loss.backward()
+    elif variant == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        # beta=0: forward KL(teacher || student); hard/soft weights = our (1-a) CE + a KL.
+        fn = LigerFusedLinearJSDLoss(weight_hard_loss=1 - TERMS["kl_weight"], weight_soft_loss=TERMS["kl_weight"],
+                                     beta=0.0, temperature=TERMS["temperature"], compiled=False, chunk_size=CHUNK)
+
+        def step():
+            fn(hs, w_head, ht, w_head, labels).backward()
+    else:
+        raise ValueError(variant)
+    base = rss_bytes()
+    times = []
+    for i in range(reps + 1):
+        hs.grad = None
+        t0 = time.perf_counter()
+        step()
+        if i:  # the first run is the warm-up
+            times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"time_s": statistics.median(times), "peak_extra_bytes": max(0, peak - base), "reps": reps}
+
+
+def mm_flops(c: int, h: int, v: int) -> float:
+    """FLOP/s of ``[c, H] @ [H, V]`` in fp32 on this machine now (best of several)."""
+    a, b = torch.randn(c, h), torch.randn(h, v)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * c * h * v / best
+
+
+def run_worker(variant: str, n: int, h: int, v: int, reps: int, timeout: int) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
+    cmd = [sys.executable, __file__, "--worker", variant, str(n), str(h), str(v), str(reps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"did not finish within {timeout} s"}
+    if out.returncode != 0:
+        return {"skipped": f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=5, metavar=("VARIANT", "N", "H", "V", "REPS"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        variant, n, h, v, reps = args.worker
+        print(json.dumps(worker(variant, int(n), int(h), int(v), int(reps))))
+        return
+
+    torch.set_num_threads(2)
+    rows = []
+    ref_bytes_per_logit = None  # measured reference peak / (N*V), used to predict where it cannot run
+    for n, h, v in SHAPES[:1] if args.quick else SHAPES:
+        flops = 6 * n * h * v
+        mm = mm_flops(CHUNK, h, v)
+        big = n * v > 50_000_000
+        reps = 1 if n * v > 10**9 else (2 if big else 3)
+        formula = n * h * 4 + CHUNK * v * 18
+        for variant in ("fused", "fused+cap", "reference", "liger"):
+            row = {"N": n, "H": h, "V": v, "variant": variant, "formula_bytes": formula}
+            if variant == "reference" and ref_bytes_per_logit is not None:
+                predicted = ref_bytes_per_logit * n * v
+                row["predicted_peak_bytes"] = predicted
+                if predicted > 0.7 * MACHINE_BYTES:
+                    row["skipped"] = (f"predicted peak {predicted / 1e9:.1f} GB ({ref_bytes_per_logit:.1f} bytes per "
+                                      f"logit, measured at the first shape) exceeds 70% of this machine's "
+                                      f"{MACHINE_BYTES / 1e9:.1f} GB; one fp32 [N, V] tensor alone is {n * v * 4 / 1e9:.1f} GB")
+            if "skipped" not in row:
+                print(f"N={n} H={h} V={v} {variant} ...", flush=True)
+                row.update(run_worker(variant, n, h, v, reps, timeout=1800))
+            if "time_s" in row:
+                row["gemm_efficiency"] = flops / row["time_s"] / mm
+                row["mm_gflops"] = mm / 1e9
+                if variant == "reference" and ref_bytes_per_logit is None:
+                    ref_bytes_per_logit = row["peak_extra_bytes"] / (n * v)
+            rows.append(row)
+            print("   ", {k: row[k] for k in row if k not in ("N", "H", "V")}, flush=True)
+
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": 2,
+            "torch": torch.__version__, "chunk": CHUNK, "terms": TERMS, "date": time.strftime("%Y-%m-%d"),
+            "command": "python benchmarks/bench_loss.py" + (" --quick" if args.quick else "")}
+    (RESULTS / "loss.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (RESULTS / "loss.md").write_text(markdown(rows, meta))
+    print(markdown(rows, meta))
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Draft loss benchmark ({meta['date']}, {meta['cpus']} CPUs, {meta['threads']} threads, torch {meta['torch']})",
+             "", f"`{meta['command']}`; fp32, chunk {meta['chunk']} rows, CE + 15% KL (T=1), `fused+cap` adds CAP 0.1.",
+             "", "| N | H | V | variant | fwd+bwd s | peak extra MB | formula MB | GEMM eff. | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = f"{r['time_s']:.3f}" if "time_s" in r else "-"
+        mem = f"{r['peak_extra_bytes'] / 2**20:.0f}" if "peak_extra_bytes" in r else "-"
+        eff = f"{r['gemm_efficiency']:.0%}" if "gemm_efficiency" in r else "-"
+        lines.append(f"| {r['N']} | {r['H']} | {r['V']} | {r['variant']} | {t} | {mem} | "
+                     f"{r['formula_bytes'] / 2**20:.0f} | {eff} | {r.get('skipped', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
