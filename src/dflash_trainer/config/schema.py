@@ -59,6 +59,9 @@ class DrafterConfig(Section):
     noise: Literal["none", "uniform", "gaussian"] = Field("none", description="noise on context features (training only)")
     noise_scale: float = Field(0.0, ge=0.0, description="s: uniform in [-s, s] or Gaussian std s")
     mask_token_id: int | None = Field(None, ge=0, description="null = the tokenizer's <|MASK|> token")
+    attention_backend: Literal["dense", "flex"] = Field(
+        "dense", description="dense boolean mask + SDPA (CPU, small cases) or FlexAttention BlockMask (GPU, compiled)"
+    )
 
     @model_validator(mode="after")
     def _sliding_layers_in_range(self) -> DrafterConfig:
