@@ -142,6 +142,11 @@ def test_train_serve_parity_on_a_real_tiny_target_row():
         assert torch.equal(train_logits.argmax(-1), serve_logits.argmax(-1))
 
 
+def test_document_boundaries_follow_position_jumps():
+    # HF keeps packed documents apart wherever positions do not continue; so do anchors and masks
+    assert doc_ids_from_positions(torch.tensor([0, 1, 2, 0, 1, 5, 6])).tolist() == [0, 0, 0, 1, 1, 2, 2]
+
+
 def test_anchors_and_blocks():
     positions = torch.cat([torch.arange(6), torch.arange(10)])
     doc = doc_ids_from_positions(positions)

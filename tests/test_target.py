@@ -31,6 +31,7 @@ def test_default_layer_ids_rule():
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_layer_ids(8, 5) == [1, 2, 3, 4, 5]
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(8, 1) == [4]
     with pytest.raises(UserError, match="repeated layer ids"):
         default_layer_ids(6, 5)
 

@@ -16,9 +16,11 @@ from .loss.weights import slot_weights
 
 
 def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[L]`` document index of each token of a packed row whose positions restart at 0 per document."""
-    starts = (position_ids == 0).long()
-    starts[0] = 1
+    """``[L]`` document index of each token of a packed row. A new document starts wherever the
+    position does not continue the previous one (``p[i] != p[i-1] + 1``), the rule Hugging Face uses
+    to keep packed documents apart, so the target and the drafter agree on the boundaries."""
+    starts = torch.ones_like(position_ids, dtype=torch.long)
+    starts[1:] = (position_ids[1:] != position_ids[:-1] + 1).long()
     return starts.cumsum(0) - 1
 
 
@@ -26,8 +28,8 @@ def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, block
     """Positions p with ``loss_mask[p] == 1`` whose block p..p+B-1 lies inside p's document. ``[n_valid]``"""
     length = loss_mask.numel()
     if length < block_size:
-        return torch.zeros(0, dtype=torch.long)
-    p = torch.arange(length - block_size + 1)
+        return torch.zeros(0, dtype=torch.long, device=loss_mask.device)
+    p = torch.arange(length - block_size + 1, device=loss_mask.device)
     ok = loss_mask[p].bool() & (doc_ids[p + block_size - 1] == doc_ids[p])
     return p[ok]
 
@@ -38,7 +40,7 @@ def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: i
     valid = valid_anchor_positions(loss_mask, doc_ids, block_size)
     if valid.numel() <= max_anchors:
         return valid
-    pick = torch.randperm(valid.numel(), generator=generator)[:max_anchors]
+    pick = torch.randperm(valid.numel(), generator=generator)[:max_anchors].to(valid.device)
     return valid[pick].sort().values
 
 
@@ -75,10 +77,11 @@ def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask:
     if n and int(anchors.max()) + block_size > length:
         raise ValueError(f"anchor {int(anchors.max())} + block_size {block_size} runs past the row of {length} tokens")
     doc_ids = doc_ids_from_positions(position_ids)
-    k = torch.arange(block_size)
-    padded = torch.zeros(nb, dtype=torch.long)
+    dev = input_ids.device
+    k = torch.arange(block_size, device=dev)
+    padded = torch.zeros(nb, dtype=torch.long, device=dev)
     padded[:n] = anchors
-    valid = torch.zeros(nb, dtype=torch.bool)
+    valid = torch.zeros(nb, dtype=torch.bool, device=dev)
     valid[:n] = True
     idx = padded[:, None] + k  # [nb, B]
     block_ids = torch.full((nb, block_size), mask_token_id, dtype=input_ids.dtype)
@@ -86,7 +89,7 @@ def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask:
     labels = input_ids[idx].clone()
     has_loss = loss_mask[idx].bool() & valid[:, None]
     has_loss[:, 0] = False
-    weights = slot_weights(block_size, gamma).to(torch.float32)[None, :].expand(nb, -1) * has_loss
+    weights = slot_weights(block_size, gamma).to(dev, torch.float32)[None, :].expand(nb, -1) * has_loss
     labels[~has_loss] = 0
     return Blocks(
         anchors=padded, valid=valid, input_ids=block_ids, position_ids=position_ids[padded][:, None] + k,

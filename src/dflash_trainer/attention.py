@@ -69,5 +69,19 @@ def flex_block_mask(anchors: torch.Tensor, block_doc: torch.Tensor, context_doc:
         return ctx_ok | own
 
     n_q = anchors.numel() * b
-    return create_block_mask(mask_mod, None, None, n_q, length + n_q, device=anchors.device,
-                             BLOCK_SIZE=(q_block, kv_block))
+    # Uncompiled, create_block_mask evaluates mask_mod densely ([Q, L+Q] temporaries); on GPUs,
+    # where the large layouts run, it is compiled and evaluates tile by tile.
+    make = _compiled_create_block_mask() if anchors.device.type == "cuda" else create_block_mask
+    return make(mask_mod, None, None, n_q, length + n_q, device=anchors.device, BLOCK_SIZE=(q_block, kv_block))
+
+
+_COMPILED_CREATE = None
+
+
+def _compiled_create_block_mask():
+    global _COMPILED_CREATE
+    if _COMPILED_CREATE is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _COMPILED_CREATE = torch.compile(create_block_mask)
+    return _COMPILED_CREATE

@@ -19,7 +19,9 @@ from .target_loading import load_target, resolve_target_path
 from .tiny_target.corpus import load_split
 from .tiny_target.evaluate import encode_files, heldout_metrics, unigram_counts
 
-DEFAULT_PROMPT = 'def is_palindrome(text):\n    """Return True if text reads the same backwards."""\n'
+# Ends inside the function body's indentation: byte-level BPE merges "\n" with the indentation that
+# follows, so a prompt ending in a bare newline is a token boundary the model never saw in training.
+DEFAULT_PROMPT = '"""Utilities for parsing dates."""\n\nimport re\n\n\ndef parse_date(text):\n    '
 CHAT_PROMPT = "Continue the Python module `json/example.py`:\nimport json\n\n\ndef load_config(path):\n"
 
 

@@ -128,7 +128,9 @@ def _flex_attention(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        # Shapes vary with the row length and block count; let dynamo mark them dynamic after the
+        # first recompile instead of specializing on every new shape.
+        _COMPILED_FLEX = torch.compile(flex_attention)
     return _COMPILED_FLEX
 
 
@@ -201,6 +203,8 @@ class DFlashDrafter(nn.Module):
         if embed_tokens.weight.shape != (s.vocab_size, s.hidden_size):
             raise UserError(f"target embedding is {tuple(embed_tokens.weight.shape)}, drafter expects "
                             f"[vocab {s.vocab_size}, hidden {s.hidden_size}]")
+        if s.sliding_window_layers and s.sliding_window < 1:
+            raise UserError(f"sliding_window must be >= 1 context row, got {s.sliding_window}")
         if not 0 <= s.mask_token_id < s.vocab_size:
             raise UserError(f"mask token id {s.mask_token_id} is outside the vocabulary 0..{s.vocab_size - 1}")
         self.spec = s
@@ -222,6 +226,10 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target embedding of ``ids``, detached: the embedding is frozen even if the caller's is not."""
+        return F.embedding(ids, self.target_embed[0].weight.detach()).to(self.dtype)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """``[L, k*H]`` target features -> ``[L, H]`` context rows (noise only in training mode)."""
@@ -251,7 +259,7 @@ class DFlashDrafter(nn.Module):
         if backend == "flex" and features.device.type == "cpu" and torch.is_grad_enabled():
             raise UserError("FlexAttention has no backward pass on CPU: train on CPU with the dense backend")
         ctx = self.context(features)
-        x = self.target_embed[0](block_ids.reshape(-1)).to(self.dtype)
+        x = self._embed(block_ids.reshape(-1))
         cos_q, sin_q = rope_cos_sin(block_positions.reshape(-1), self.spec.head_dim, self.spec.rope_theta, x.dtype)
         cos_c, sin_c = rope_cos_sin(context_positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
         for layer, spec in zip(self.layers, self.mask_specs):
@@ -266,7 +274,7 @@ class DFlashDrafter(nn.Module):
         b = self.spec.block_size
         ids = torch.full((b,), self.spec.mask_token_id, dtype=torch.long, device=self.fc.weight.device)
         ids[0] = anchor_token
-        x = self.target_embed[0](ids).to(self.dtype)
+        x = self._embed(ids)
         pos = anchor_position + torch.arange(b, device=ids.device)
         cos_q, sin_q = rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, x.dtype)
         for layer, spec, (k, v) in zip(self.layers, self.mask_specs, cache):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .anchors import doc_ids_from_positions
 from .errors import UserError
 
 
@@ -26,7 +27,7 @@ def default_layer_ids(num_layers: int, k: int) -> list[int]:
     if num_layers < 4:
         raise UserError(f"the default layer-id rule needs a target with >= 4 layers, got {num_layers}")
     if k == 1:
-        return [1]
+        return [num_layers // 2]  # z-lab's rule for a single feature layer
     ids = [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
     if len(set(ids)) != k:
         raise UserError(
@@ -98,9 +99,8 @@ class TargetModel:
             position_ids = torch.arange(input_ids.numel(), device=input_ids.device)
         if self.packs_documents:
             return self._run(input_ids[None], position_ids[None], need_teacher)
-        starts = (position_ids == 0).nonzero().squeeze(1).tolist()
-        if not starts or starts[0] != 0:
-            starts = [0, *starts]
+        doc = doc_ids_from_positions(position_ids)
+        starts = [0, *((doc[1:] != doc[:-1]).nonzero().squeeze(1) + 1).tolist()]
         bounds = [*starts[1:], input_ids.numel()]
         parts = [self._run(input_ids[None, s:e], position_ids[None, s:e], need_teacher) for s, e in zip(starts, bounds)]
         return TargetFeatures(

@@ -105,11 +105,12 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
     f = torch.promote_types(hs.dtype, torch.float32)
     a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
     inv_wsum = 1.0 / weights.double().sum().item()
-    stats = torch.zeros(num_slots or 1, 7, dtype=torch.float64)
-    dh = torch.zeros(n, hidden, dtype=f) if want_grad else None
-    dh_cap = torch.zeros(n, hidden, dtype=f) if (want_grad and t.cap_weight > 0) else None
-    loss_main = torch.zeros((), dtype=torch.float64)
-    cap_sum, n_correct = torch.zeros((), dtype=torch.float64), 0
+    dev = hs.device
+    stats = torch.zeros(num_slots or 1, 7, dtype=torch.float64, device=dev)
+    dh = torch.zeros(n, hidden, dtype=f, device=dev) if want_grad else None
+    dh_cap = torch.zeros(n, hidden, dtype=f, device=dev) if (want_grad and t.cap_weight > 0) else None
+    loss_main = torch.zeros((), dtype=torch.float64, device=dev)
+    cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
 
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
@@ -119,6 +120,8 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
         s_arg = zs.argmax(-1)
         t_arg = zt.argmax(-1) if zt is not None else None
         y = t_arg if t.label_source == "teacher" else labels[rows]
+        if a == 0:
+            zt = None  # the teacher logits were only needed for labels and agreement
         lse = torch.logsumexp(zs, -1)  # [c]
         z_y = zs.gather(1, y[:, None]).squeeze(1)
         ce = lse - z_y
@@ -171,8 +174,8 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
             if dh_cap is not None and correct.any():
                 # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
                 idx = correct.nonzero().squeeze(1)
-                z_idx = zs[idx]
-                g = z_idx / tc
+                z_idx = zs[idx] if t.softcap else zs  # the softcap chain rule needs these rows' logits
+                g = zs[idx].div_(tc)
                 g.sub_(torch.logsumexp(g, -1, keepdim=True))  # log pc
                 pc = g.exp()
                 g.add_(entropy[idx, None]).mul_(pc).mul_(-1.0 / tc)
@@ -296,8 +299,8 @@ def fused_draft_loss(
     slots_k = slot_ids.index_select(0, keep).long() if slot_ids is not None else None
     groups = num_slots if slot_ids is not None else None
     if keep.numel() == 0:
-        loss = hs.sum() * 0.0
-        stats = torch.zeros(groups or 1, 7, dtype=torch.float64)
+        loss = hs.sum().to(torch.promote_types(hs.dtype, torch.float32)) * 0.0
+        stats = torch.zeros(groups or 1, 7, dtype=torch.float64, device=hs.device)
     elif torch.is_grad_enabled() and hs.requires_grad:
         loss, stats = _FusedDraftLoss.apply(hs_k, ht_k, w_head.detach(), y_k, w_k, slots_k, groups, terms, chunk)
     else:  # no_grad / inference: no gradient work at all

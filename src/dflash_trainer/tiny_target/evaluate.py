@@ -18,7 +18,7 @@ from .corpus import SourceFile
 
 def encode_files(tokenizer, files: Sequence[SourceFile], max_tokens_per_file: int | None = None) -> list[list[int]]:
     """Token ids of each file's text (no special tokens), optionally truncated."""
-    ids = tokenizer([f.text for f in files], add_special_tokens=False)["input_ids"]
+    ids = tokenizer([f.text for f in files], add_special_tokens=False, verbose=False)["input_ids"]
     if max_tokens_per_file is not None:
         ids = [seq[:max_tokens_per_file] for seq in ids]
     return ids
