@@ -63,14 +63,16 @@ def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | Non
     return int(rows)
 
 
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot product ``[c, V] x [c, V] -> [c]`` without a ``[c, V]`` temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+def _logits(h: torch.Tensor | None, weight: torch.Tensor, t: LossTerms, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``[c, H] -> [c, V]`` logits in ``out``'s dtype (fp32/fp64), scaled and soft-capped in place.
 
-
-def _logits(h: torch.Tensor, weight: torch.Tensor, f: torch.dtype, t: LossTerms) -> torch.Tensor:
-    """``[c, H] -> [c, V]`` logits in the compute dtype, scaled and soft-capped in place."""
-    z = (h @ weight.T).to(f)  # the GEMM runs in the head's dtype; logits are upcast per chunk
+    ``out`` is a reused workspace buffer: fresh multi-MB allocations per chunk would page-fault."""
+    if h is None:
+        return None
+    if weight.dtype == out.dtype:
+        z = torch.mm(h, weight.T, out=out)
+    else:  # the GEMM runs in the head's dtype (bf16); logits are upcast per chunk
+        z = out.copy_(h @ weight.T)
     if t.logit_scale != 1.0:
         z.mul_(t.logit_scale)
     if t.softcap:
@@ -111,30 +113,38 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
     dh_cap = torch.zeros(n, hidden, dtype=f, device=dev) if (want_grad and t.cap_weight > 0) else None
     loss_main = torch.zeros((), dtype=torch.float64, device=dev)
     cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
+    c_max, vocab = min(chunk, n), weight.shape[0]
+    buffers = {name: torch.empty(c_max, vocab, dtype=f, device=dev)
+               for name, needed in (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0)) if needed}
 
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         w = weights[rows].to(f)
-        zs = _logits(hs[rows], weight, f, t)  # [c, V]
-        zt = _logits(ht[rows], weight, f, t) if ht is not None else None
-        s_arg = zs.argmax(-1)
-        t_arg = zt.argmax(-1) if zt is not None else None
+        c = rows.stop - rows.start
+        zs = _logits(hs[rows], weight, t, buffers["zs"][:c])  # [c, V]
+        m_s, s_arg = zs.max(-1)  # one pass gives the shift for a stable softmax and the argmax
+        p = torch.sub(zs, m_s[:, None], out=buffers["p"][:c]).exp_()
+        sum_s = p.sum(-1)
+        lse = m_s + sum_s.log()  # [c]
+        p.mul_(sum_s.reciprocal()[:, None])  # student probabilities
+        zt = _logits(ht[rows], weight, t, buffers["zt"][:c]) if ht is not None else None
+        t_arg = None
+        if zt is not None:
+            m_t, t_arg = zt.max(-1)
         y = t_arg if t.label_source == "teacher" else labels[rows]
         if a == 0:
             zt = None  # the teacher logits were only needed for labels and agreement
-        lse = torch.logsumexp(zs, -1)  # [c]
         z_y = zs.gather(1, y[:, None]).squeeze(1)
         ce = lse - z_y
         correct = s_arg == y
-        p = (zs - lse[:, None]).exp_()  # student probabilities
 
         # CAP statistic: entropy of softmax(z / Tc) (the mask `correct` carries no gradient).
         if tc == 1.0:
-            entropy = lse - _rowdot(p, zs)
+            entropy = lse - torch.linalg.vecdot(p, zs)
         else:
             pc = zs / tc
-            pc.sub_(torch.logsumexp(pc, -1, keepdim=True)).exp_()
-            entropy = torch.special.entr(pc).sum(-1)
+            pc.sub_(torch.logsumexp(pc, -1, keepdim=True))  # log pc
+            entropy = -torch.linalg.vecdot(pc.exp(), pc)
             del pc
         cap_sum += entropy[correct].double().sum()
         n_correct += int(correct.sum())
@@ -142,17 +152,21 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
         # Soft KL at temperature T: KL(q^T || p^T) = sum q log q - sum q log p^T.
         kl = torch.zeros_like(ce)
         if a > 0:
-            q = zt.div_(temp)
-            q.sub_(torch.logsumexp(q, -1, keepdim=True)).exp_()  # teacher q^T, in place of its logits
-            zt = None
-            neg_entropy_q = -torch.special.entr(q).sum(-1)
+            u = zt.sub_(m_t[:, None])  # shifted teacher logits, in place
+            if temp != 1.0:
+                u.div_(temp)
+            q = torch.exp(u, out=buffers["q"][:c])
+            sum_t = q.sum(-1)
+            neg_entropy_q = u.mul_(q).sum(-1) / sum_t - sum_t.log()  # u is not needed after this
+            q.mul_(sum_t.reciprocal()[:, None])  # teacher q^T
+            zt = u = None
             if temp == 1.0:
                 log_pt = None
-                cross = _rowdot(q, zs) - lse
+                cross = torch.linalg.vecdot(q, zs) - lse
             else:
                 log_pt = zs / temp
                 log_pt.sub_(torch.logsumexp(log_pt, -1, keepdim=True))
-                cross = _rowdot(q, log_pt)
+                cross = torch.linalg.vecdot(q, log_pt)
             kl = neg_entropy_q - cross
         loss_main += (w * ((1 - a) * ce + a * temp**2 * kl)).double().sum() * inv_wsum
 
@@ -169,7 +183,10 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
             p.scatter_add_(1, y[:, None], (-(1 - a) * coef)[:, None])
             q = log_pt = pt_minus_q = None
             _chain_to_raw(p, zs, t)
-            dh[rows] = p.to(weight.dtype).matmul(weight).to(f)
+            if weight.dtype == f:
+                torch.mm(p, weight, out=dh[rows])
+            else:
+                dh[rows] = p.to(weight.dtype).matmul(weight).to(f)
             p = None
             if dh_cap is not None and correct.any():
                 # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
