@@ -3,6 +3,7 @@
     dflash-train demo     [--config FILE|PRESET ...] [--set KEY=VALUE ...]   the main job on a target
     dflash-train config   [--config ...] [--set ...] [--keys]                 print the resolved config
     dflash-train presets                                                      list built-in presets
+    dflash-train export   --format zlab|speculators CHECKPOINT OUT | --check OUT
     dflash-train tiny-target eval|build                                       the embedded tiny target
 
 Every user error (bad config, missing file, bad override) ends with one line on stderr and exit
@@ -71,6 +72,33 @@ def _cmd_tiny_target(args: argparse.Namespace) -> int:
     return report_main(args.rest)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import check_export, export_checkpoint
+
+    if args.check:
+        if args.paths:
+            raise UserError("--check takes the exported folder as its value: dflash-train export --check OUT")
+        problems = check_export(args.check, args.target)
+        for line in problems:
+            print(f"problem: {line}")
+        print(f"{args.check}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 1 if problems else 0
+    if len(args.paths) != 2 or not args.format:
+        raise UserError("usage: dflash-train export --format zlab|speculators CHECKPOINT OUT (or --check OUT)")
+    checkpoint, out = args.paths
+    target_model = None
+    if args.format == "speculators":
+        from .checkpoint import read_checkpoint_config
+        from .config import TargetConfig
+        from .target_loading import load_target
+
+        path = args.target or read_checkpoint_config(checkpoint)["target"].get("path")
+        target_model, _, _ = load_target(TargetConfig(path=path, dtype="float32"))
+    folder = export_checkpoint(checkpoint, out, args.format, target_model=target_model)
+    print(f"exported {checkpoint} as {args.format} to {folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash drafters for speculative decoding.")
     parser.add_argument("--version", action="version", version=f"dflash-trainer {__version__}")
@@ -90,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the built-in presets")
     p.set_defaults(func=_cmd_presets)
+
+    p = sub.add_parser("export", help="export a drafter checkpoint for serving (zlab, speculators), or check an export")
+    p.add_argument("--format", choices=["zlab", "speculators"])
+    p.add_argument("--check", metavar="OUT", default=None, help="validate an exported folder against its target")
+    p.add_argument("--target", default=None, help="target folder (default: the one the checkpoint or export names)")
+    p.add_argument("paths", nargs="*", metavar="CHECKPOINT OUT")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("tiny-target", help="evaluate or rebuild the embedded tiny target")
     p.add_argument("action", choices=["eval", "build"])
