@@ -147,7 +147,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=5, metavar=("VARIANT", "N", "H", "V", "REPS"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--render", action="store_true", help="only re-render results/loss.md from results/loss.json")
     args = parser.parse_args()
+    if args.render:
+        render(RESULTS / "loss.json")
+        return
     if args.worker:
         variant, n, h, v, reps = args.worker
         print(json.dumps(worker(variant, int(n), int(h), int(v), int(reps))))
@@ -202,7 +206,34 @@ def markdown(rows: list[dict], meta: dict) -> str:
         eff = f"{r['gemm_efficiency']:.0%}" if "gemm_efficiency" in r else "-"
         lines.append(f"| {r['N']} | {r['H']} | {r['V']} | {r['variant']} | {t} | {mem} | "
                      f"{r['formula_bytes'] / 2**20:.0f} | {eff} | {r.get('skipped', '')} |")
+    lines += ["", "Ratios measured in this run (targets from the issue in brackets):", ""]
+    for n, h, v in sorted({(r["N"], r["H"], r["V"]) for r in rows}, key=lambda x: x[0] * x[2]):
+        by = {r["variant"]: r for r in rows if (r["N"], r["H"], r["V"]) == (n, h, v)}
+        fused = by.get("fused", {})
+        if "time_s" not in fused:
+            continue
+        parts = [f"- N={n} V={v}: fused peak extra {fused['peak_extra_bytes'] / fused['formula_bytes']:.2f}x the "
+                 f"formula N*H*4 + c*V*18 [<= 1.2x]; GEMM efficiency {fused['gemm_efficiency']:.0%} [>= 75%]"]
+        for other in ("reference", "liger"):
+            o = by.get(other, {})
+            if "time_s" in o:
+                parts.append(f"{fused_speed(fused, o)} faster than {other} [>= 1.5x at the first shape], "
+                             f"{o['peak_extra_bytes'] / max(fused['peak_extra_bytes'], 1):.1f}x less memory")
+            elif "predicted_peak_bytes" in o:
+                parts.append(f"{o['predicted_peak_bytes'] / max(fused['peak_extra_bytes'], 1):.0f}x less memory than "
+                             f"the {other}'s predicted peak [>= 10x at the second shape]")
+        lines.append("; ".join(parts) + ".")
     return "\n".join(lines) + "\n"
+
+
+def fused_speed(fused: dict, other: dict) -> str:
+    return f"{other['time_s'] / fused['time_s']:.2f}x"
+
+
+def render(path: Path) -> None:
+    """Rewrite the Markdown table from a results JSON (no measurement)."""
+    data = json.loads(path.read_text())
+    (path.with_suffix(".md")).write_text(markdown(data["rows"], data["meta"]))
 
 
 if __name__ == "__main__":
