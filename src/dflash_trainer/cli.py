@@ -1,6 +1,8 @@
 """The ``dflash-train`` command line.
 
-    dflash-train demo     [--config FILE|PRESET ...] [--set KEY=VALUE ...]   the main job on a target
+    dflash-train demo     [--config FILE|PRESET ...] [--set KEY=VALUE ...]   train a drafter on the tiny target
+    dflash-train train    --config FILE|PRESET [--set ...] [--resume auto]    train a drafter
+    dflash-train generate --input DATA --output OUT.jsonl [--config ...]      regenerate responses with the target
     dflash-train config   [--config ...] [--set ...] [--keys]                 print the resolved config
     dflash-train presets                                                      list built-in presets
     dflash-train export   --format zlab|speculators CHECKPOINT OUT | --check OUT
@@ -58,7 +60,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(_resolve(args), prompt=args.prompt, max_new_tokens=args.max_new_tokens, eval_files=args.eval_files)
+    run_demo(_resolve(args), max_new_tokens=args.max_new_tokens, prompts_per_file=args.prompts_per_file)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .run_train import run_training
+
+    run_training(_resolve(args), resume=None if args.resume == "none" else args.resume, progress=not args.no_progress)
     return 0
 
 
@@ -104,12 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash-trainer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="the main job on a target (default: the embedded tiny target)")
+    p = sub.add_parser("demo", help="train a drafter on the embedded tiny target end to end (no input needed)")
     _add_config_args(p, default_preset="tiny-demo")
-    p.add_argument("--prompt", default=None, help="text to continue greedily (default: a small Python function head)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--eval-files", type=int, default=24, help="held-out stdlib files to score")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="length of each regenerated response")
+    p.add_argument("--prompts-per-file", type=int, default=4, help="prompts cut from each held-out stdlib file")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="train a drafter (data.train_files: JSONL chat or pre-tokenized records)")
+    _add_config_args(p, default_preset=None)
+    p.add_argument("--resume", default="none", metavar="auto|PATH|none",
+                   help="auto: continue from the newest complete checkpoint in output_dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("config", help="print the fully resolved config as YAML")
     _add_config_args(p, default_preset=None)
@@ -118,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the built-in presets")
     p.set_defaults(func=_cmd_presets)
+
+    from .generate import add_generate_parser
+
+    add_generate_parser(sub)
 
     p = sub.add_parser("export", help="export a drafter checkpoint for serving (zlab, speculators), or check an export")
     p.add_argument("--format", choices=["zlab", "speculators"])

@@ -1,9 +1,11 @@
-"""The main job, end to end on a target (by default the embedded tiny target).
+"""The main job on the embedded tiny target, end to end, with no network and no input.
 
-Until the trainer lands, the job is what the package can already do end to end: resolve and record
-the run's config, load the target offline, score it on held-out standard-library files against the
-unigram baseline, and greedily continue a code prompt and a chat prompt. Everything is written to
-``output_dir`` (``run.yaml``, ``demo.json``).
+1. resolve and record the run's config;
+2. build chat prompts from held-out standard-library files (files the tiny target never trained on);
+3. regenerate the responses with the target (DFlash drafters learn the target's own outputs);
+4. train a drafter on most of them, holding out every 8th record;
+5. report teacher-forced tau on the held-out records before and after training, where the
+   checkpoint is, and how to export it.
 """
 
 from __future__ import annotations
@@ -15,60 +17,83 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig, write_resolved_config
+from .data.records import iter_records
+from .generate import regenerate_records
 from .target_loading import load_target, resolve_target_path
 from .tiny_target.corpus import load_split
-from .tiny_target.evaluate import encode_files, heldout_metrics, unigram_counts
 
-# Ends inside the function body's indentation: byte-level BPE merges "\n" with the indentation that
-# follows, so a prompt ending in a bare newline is a token boundary the model never saw in training.
-DEFAULT_PROMPT = '"""Utilities for parsing dates."""\n\nimport re\n\n\ndef parse_date(text):\n    '
-CHAT_PROMPT = "Continue the Python module `json/example.py`:\nimport json\n\n\ndef load_config(path):\n"
+EVAL_EVERY_NTH_RECORD = 8
 
 
-@torch.no_grad()
-def greedy_continue(model, tokenizer, text: str, max_new_tokens: int) -> str:
-    """Greedy continuation of ``text`` (HF ``generate`` with its KV cache), decoded without specials."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+def build_prompts(prompts_per_file: int, lines_per_prompt: int = 8) -> list[dict]:
+    """Chat records asking the target to continue a held-out module from evenly spaced cut points."""
+    records = []
+    for f in load_split("held_out"):
+        lines = f.text.splitlines(keepends=True)
+        if len(lines) < 2 * lines_per_prompt:
+            continue
+        step = max(1, (len(lines) - lines_per_prompt) // prompts_per_file)
+        for start in range(0, len(lines) - lines_per_prompt, step)[:prompts_per_file]:
+            head = "".join(lines[start:start + lines_per_prompt])
+            records.append({"id": f"{f.relpath}:{start + 1}", "messages": [
+                {"role": "user", "content": f"Continue the Python module `{f.relpath}`:\n{head}"},
+                {"role": "assistant", "content": ""}]})
+    return records
 
 
-def run_demo(cfg: RunConfig, *, prompt: str | None = None, max_new_tokens: int = 48, eval_files: int = 24) -> dict:
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
+def run_demo(cfg: RunConfig, *, max_new_tokens: int = 160, prompts_per_file: int = 4) -> dict:
+    from .run_train import prepare
+    from .train import Trainer
+
+    t_start = time.time()
     resolve_target_path(cfg.target.path)  # fail on a bad target before anything is written
-    out_dir = Path(cfg.output_dir)
-    config_path = write_resolved_config(cfg, out_dir)
-    print(f"[1/4] resolved config written to {config_path}", flush=True)
+    out = Path(cfg.output_dir)
+    write_resolved_config(cfg, out)
+    print(f"[1/5] config resolved and written to {out / 'run.yaml'}", flush=True)
 
-    t0 = time.time()
+    prompts = build_prompts(prompts_per_file)
+    _write_jsonl(out / "prompts.jsonl", prompts)
     model, tokenizer, folder = load_target(cfg.target)
-    mc = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"[2/4] target {folder}: {type(model).__name__}, {mc.num_hidden_layers} layers, hidden {mc.hidden_size}, "
-          f"vocab {mc.vocab_size}, {n_params / 1e6:.1f}M parameters, {cfg.target.dtype} "
-          f"({time.time() - t0:.1f}s)", flush=True)
+    print(f"[2/5] {len(prompts)} prompts from held-out stdlib files; target {folder}", flush=True)
 
     t0 = time.time()
-    held = encode_files(tokenizer, load_split("held_out", limit=eval_files), max_tokens_per_file=512)
-    train = encode_files(tokenizer, load_split("train", limit=200))
-    metrics = heldout_metrics(model, held, window=512, unigram=unigram_counts(train, len(tokenizer)))
-    print(f"[3/4] held-out stdlib ({eval_files} files, {int(metrics['tokens'])} predictions): "
-          f"loss {metrics['loss']:.3f} nats, greedy next-token accuracy {metrics['accuracy']:.1%} "
-          f"vs unigram baseline {metrics['unigram_accuracy']:.1%} ({time.time() - t0:.1f}s)", flush=True)
+    records = list(iter_records([str(out / "prompts.jsonl")]))
+    generated = list(regenerate_records(records, model, tokenizer, max_new_tokens=max_new_tokens, batch_size=16))
+    generated = [r for r in generated if r["messages"][-1]["content"].strip()]
+    train_records = [r for i, r in enumerate(generated) if i % EVAL_EVERY_NTH_RECORD]
+    eval_records = [r for i, r in enumerate(generated) if not i % EVAL_EVERY_NTH_RECORD]
+    _write_jsonl(out / "train.jsonl", train_records)
+    _write_jsonl(out / "eval.jsonl", eval_records)
+    print(f"[3/5] regenerated {len(generated)} responses with the target in {time.time() - t0:.0f}s: "
+          f"{len(train_records)} for training, {len(eval_records)} held out", flush=True)
 
-    prompt = prompt if prompt is not None else DEFAULT_PROMPT
-    code_out = greedy_continue(model, tokenizer, prompt, max_new_tokens)
-    chat_out = None
-    if tokenizer.chat_template:
-        chat_text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], tokenize=False,
-                                                  add_generation_prompt=True)
-        chat_out = greedy_continue(model, tokenizer, chat_text, max_new_tokens)
-    print("[4/4] greedy continuation:\n" + "-" * 60 + f"\n{prompt}{code_out}\n" + "-" * 60, flush=True)
-    if chat_out is not None:
-        print(f"chat reply to a request to continue a module:\n{chat_out}\n" + "-" * 60, flush=True)
-
-    summary = {"target": str(folder), "parameters": n_params, "held_out": metrics,
-               "prompt": prompt, "continuation": code_out, "chat_reply": chat_out}
-    (out_dir / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"summary written to {out_dir / 'demo.json'}")
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
+        "train_files": [str(out / "train.jsonl")], "eval_files": [str(out / "eval.jsonl")]})})
+    write_resolved_config(cfg, out)
+    target, tokenizer, train_rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(cfg, target, tokenizer, train_rows, eval_rows, out_dir=out, target_path=cfg.target.path)
+    before = trainer.evaluate()
+    n_params = sum(p.numel() for p in trainer.drafter.parameters())
+    print(f"[4/5] training a {n_params / 1e6:.2f}M-parameter drafter ({cfg.drafter.num_layers} layers, block "
+          f"{cfg.drafter.block_size}) on {len(train_rows)} rows of {cfg.data.seq_len} tokens for "
+          f"{cfg.train.max_steps} steps; untrained tau {before['tau']:.3f}", flush=True)
+    t0 = time.time()
+    after = trainer.fit()
+    checkpoint = out / "checkpoints" / f"step-{trainer.c.step:07d}"
+    print(f"[5/5] trained in {time.time() - t0:.0f}s. Teacher-forced tau on {after['blocks']} held-out blocks: "
+          f"{before['tau']:.3f} before -> {after['tau']:.3f} after training", flush=True)
+    print("      acceptance per slot after training: " + " ".join(f"{a:.2f}" for a in after["slot_acceptance"]))
+    print(f"checkpoint: {checkpoint}\n"
+          f"export it for serving:  dflash-train export --format zlab {checkpoint} {out / 'export-zlab'}\n"
+          f"total time {time.time() - t_start:.0f}s", flush=True)
+    summary = {"tau_before": before, "tau_after": after, "checkpoint": str(checkpoint),
+               "records": {"train": len(train_records), "eval": len(eval_records)},
+               "seconds": round(time.time() - t_start, 1), "torch_threads": torch.get_num_threads()}
+    (out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -79,6 +79,8 @@ class DataConfig(Section):
     seq_len: int = Field(4096, ge=2, description="tokens per packed row")
     max_anchors: int = Field(512, ge=1, description="anchors (blocks) sampled per packed row")
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0, description="stop when more records are bad")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="held-out share of train_files when eval_files is empty")
+    max_eval_rows: int = Field(16, ge=1, description="packed rows scored at each evaluation")
 
 
 class LossConfig(Section):
@@ -109,6 +111,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(200, ge=1)
     save_every: int = Field(500, ge=1)
+    max_consecutive_nonfinite: int = Field(10, ge=1, description="stop after this many non-finite steps in a row")
 
 
 class RunConfig(Section):

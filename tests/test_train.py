@@ -1,0 +1,154 @@
+"""The trainer on the tiny target: it learns, resumes bit-identically after SIGKILL, saves on
+SIGTERM, skips corrupted checkpoints and non-finite steps."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_trainer.config import load_config
+from dflash_trainer.errors import UserError
+from dflash_trainer.run_train import prepare
+from dflash_trainer.tiny_target.corpus import load_split
+from dflash_trainer.train import Trainer, find_resume_checkpoint, loss_of, row_forward, verify_checkpoint
+
+
+def write_data(path, n=40, chars=900):
+    records = []
+    for f in load_split("train", limit=n):
+        records.append({"messages": [{"role": "user", "content": f"Continue `{f.relpath}`:\n"},
+                                     {"role": "assistant", "content": f.text[:chars]}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+SMALL = ["drafter.num_layers=1", "drafter.block_size=4", "data.seq_len=256", "data.max_anchors=8",
+         "train.max_steps=24", "train.save_every=6", "train.eval_every=12", "train.lr=2e-3", "data.max_eval_rows=2"]
+
+
+def config(tmp_path, data, *extra):
+    return load_config(["tiny-demo"], [*SMALL, f"data.train_files=[{data}]", f"output_dir={tmp_path / 'run'}", *extra])
+
+
+def train_cli(cfg_args, *extra):
+    return subprocess.Popen([sys.executable, "-m", "dflash_trainer.cli", "train", "--config", "tiny-demo",
+                             "--no-progress", *[a for s in cfg_args for a in ("--set", s)], *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_training_reduces_loss_and_writes_a_checkpoint(tmp_path):
+    data = write_data(tmp_path / "data.jsonl")
+    cfg = config(tmp_path, data, "train.max_steps=30", "train.eval_every=30", "train.save_every=30")
+    target, tok, train_rows, eval_rows, report = prepare(cfg)
+    trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny",
+                      progress=False)
+    before = trainer.evaluate()
+    after = trainer.fit()
+    steps = losses(tmp_path / "run")
+    first, last = sum(steps[s] for s in range(1, 6)) / 5, sum(steps[s] for s in range(26, 31)) / 5
+    assert last < first - 0.5, (first, last)
+    assert after["tau"] > before["tau"]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000030"
+    assert verify_checkpoint(ckpt) is None
+    assert {"drafter.safetensors", "drafter_config.json", "trainer_state.pt", "run.yaml"} <= set(os.listdir(ckpt))
+
+
+def test_fused_and_reference_losses_agree_on_a_real_step(tmp_path):
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    cfg = config(tmp_path, data, "loss.kl_weight=0.15", "loss.cap_weight=0.1")
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
+    batch = row_forward(cfg, target, trainer.drafter, rows[0], torch.Generator().manual_seed(0), max_anchors=8, train=True)
+    fused, _ = loss_of(cfg, target, batch)
+    (g_fused,) = torch.autograd.grad(fused, trainer.drafter.fc.weight, retain_graph=True)
+    ref, _ = loss_of(cfg, target, batch, reference=True)
+    (g_ref,) = torch.autograd.grad(ref, trainer.drafter.fc.weight)
+    assert abs(fused.item() - ref.item()) < 1e-4
+    assert torch.allclose(g_fused, g_ref, rtol=1e-3, atol=1e-6)
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
+    data = write_data(tmp_path / "data.jsonl")
+    full = [*SMALL, f"data.train_files=[{data}]", f"output_dir={tmp_path / 'full'}"]
+    proc = train_cli(full)
+    assert proc.wait(timeout=600) == 0, proc.stderr.read()
+    reference = losses(tmp_path / "full")
+    assert len(reference) == 24
+
+    cut = [*SMALL, f"data.train_files=[{data}]", f"output_dir={tmp_path / 'cut'}"]
+    proc = train_cli(cut)
+    ckpt = tmp_path / "cut" / "checkpoints" / "step-0000012"
+    deadline = time.time() + 600
+    while not (ckpt / "checksums.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = max(losses(tmp_path / "cut"))
+    assert killed_at < 24
+    proc = train_cli(cut, "--resume", "auto")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "resumed from" in out
+    resumed = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    start = int(out.split("at step ")[1].split()[0])
+    after_resume = {r["step"]: r["loss"] for r in resumed[killed_at:] if "loss" in r}
+    assert min(after_resume) == start + 1 and max(after_resume) == 24
+    for step, value in after_resume.items():
+        assert value == reference[step], (step, value, reference[step])  # bit-identical
+
+
+def test_sigterm_saves_a_checkpoint(tmp_path):
+    data = write_data(tmp_path / "data.jsonl")
+    args = [*SMALL, "train.max_steps=100000", "train.save_every=100000", f"data.train_files=[{data}]",
+            f"output_dir={tmp_path / 'run'}"]
+    proc = train_cli(args)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "SIGTERM: saved" in out
+    saved = find_resume_checkpoint(tmp_path / "run")
+    assert saved is not None and verify_checkpoint(saved) is None
+
+
+def test_corrupted_checkpoint_is_skipped_with_a_warning(tmp_path, capsys):
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    cfg = config(tmp_path, data, "train.max_steps=12", "train.eval_every=12")
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False).fit()
+    newest = tmp_path / "run" / "checkpoints" / "step-0000012"
+    with open(newest / "drafter.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00" * 16)
+    found = find_resume_checkpoint(tmp_path / "run")
+    err = capsys.readouterr().err
+    assert found.name == "step-0000006"
+    assert "skipping checkpoint" in err and "step-0000012" in err and "does not match its checksum" in err
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path):
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    cfg = config(tmp_path, data, "train.max_consecutive_nonfinite=3")
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    with torch.no_grad():
+        trainer.drafter.norm.weight.fill_(float("nan"))
+    assert trainer.train_step() is None and trainer.c.skipped_nonfinite == 1
+    assert trainer.train_step() is None
+    with pytest.raises(UserError, match="3 consecutive steps had a non-finite loss"):
+        trainer.train_step()
+    assert torch.equal(trainer.drafter.fc.weight, before["fc.weight"])  # no update from a NaN step
