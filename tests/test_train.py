@@ -2,6 +2,7 @@
 SIGTERM, skips corrupted checkpoints and non-finite steps."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -152,3 +153,13 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path):
     with pytest.raises(UserError, match="3 consecutive steps had a non-finite loss"):
         trainer.train_step()
     assert torch.equal(trainer.drafter.fc.weight, before["fc.weight"])  # no update from a NaN step
+
+
+def test_gradient_accumulation_averages_rows(tmp_path):
+    data = write_data(tmp_path / "data.jsonl", n=12)
+    cfg = config(tmp_path, data, "train.grad_accum=3")
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
+    out = trainer.train_step()
+    assert trainer.c.row_index == 3 and out["tokens"] == 3 * cfg.data.seq_len
+    assert out["loss"] > 0 and math.isfinite(out["grad_norm"])

@@ -329,6 +329,10 @@ def _resolve_config(args: argparse.Namespace):
 
 def run_generate(args: argparse.Namespace) -> int:
     """The ``generate`` sub-command: regenerate ``--input`` into ``--output``; 0 on success."""
+    if getattr(args, "speculative", None):
+        from .speculative import run_speculative
+
+        return run_speculative(args, _resolve_config(args))
     out = Path(args.output).expanduser()
     partial = out.with_name(out.name + ".partial")
     report_path = out.with_name(out.name + ".report.json")
@@ -435,6 +439,12 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N input records")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--speculative", choices=["chain", "ddtree"], default=None,
+                   help="instead of regenerating: decode the prompts greedily with the target and speculatively "
+                   "with --drafter, check they agree, and report tau, tokens/s and the speedup")
+    p.add_argument("--drafter", metavar="CHECKPOINT", default=None, help="drafter checkpoint for --speculative")
+    p.add_argument("--budget", type=int, action="append", default=None, metavar="N",
+                   help="DDTree node budget; repeat for several (default 64)")
     p.set_defaults(func=run_generate)
     return p
 

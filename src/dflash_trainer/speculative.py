@@ -1,0 +1,244 @@
+"""Real speculative decoding, greedy: the target verifies the drafter's block as a chain or a DDTree.
+
+One round, with the target's KV cache holding every accepted token before the anchor:
+
+    anchor  = the target's last greedy token (not yet in the cache), at position P
+    drafts  = drafter(anchor, context features of positions < P)          slots 1..B-1
+    chain:  target forward over [anchor, d_1..d_{B-1}] at positions P..P+B-1
+    ddtree: target forward over [anchor, tree nodes] at positions P + depth, each node attending to
+            the cache, the anchor and its own ancestors only
+    accept the longest draft path the target's greedy tokens agree with, plus the target's bonus
+    token (the next anchor); crop (chain) or compact (tree) the KV cache to the accepted path, and
+    keep the hooked hidden states of the accepted positions as the drafter's new context rows.
+
+The output is token-for-token the target's plain greedy decoding (tested); tau = mean(accepted+1).
+Batch size 1. The full-vocabulary head runs on verified positions only, never on the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .ddtree import build_tree
+from .drafter import DFlashDrafter
+from .target import TargetModel
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens (eos included when reached)
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round
+    anchors: list[int] = field(default_factory=list)  # anchor position of each round
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(a + 1 for a in self.accepted) / max(1, len(self.accepted))
+
+
+class SpeculativeDecoder:
+    """Greedy speculative decoding of ``target`` with ``drafter`` (chain or DDTree verification)."""
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter, eos_ids: list[int]):
+        self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
+        self.model = target.model
+        self._cache_kwarg = _forward_cache_kwarg(self.model)
+
+    @torch.no_grad()
+    def _forward(self, ids: list[int], positions: torch.Tensor, cache, mask=None, last_only=False):
+        """Target forward of new tokens against ``cache``: logits ``[q, V]`` (or ``[1, V]``) and the
+        hooked layers' hidden states ``[q, k*H]``."""
+        dev = self.model.device
+        out = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None].to(dev),
+                         attention_mask=mask, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=1 if last_only else 0, **{self._cache_kwarg: cache})
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.target.layer_ids], dim=-1)
+        return out.logits[0], feats
+
+    def _extend_context(self, drafter_cache, feats: torch.Tensor, start: int):
+        """Append the drafter's keys/values of new context rows ``feats`` ``[n, k*H]`` at positions
+        ``start..start+n-1``: a row's keys depend on that row only, so appending equals recomputing."""
+        new = self.drafter.context_cache(feats, torch.arange(start, start + feats.shape[0], device=feats.device))
+        if drafter_cache is None:
+            return new
+        return [(torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)) for (k, v), (nk, nv) in zip(drafter_cache, new)]
+
+    def _draft_log_probs(self, anchor: int, anchor_pos: int, drafter_cache) -> torch.Tensor:
+        """``[B-1, V]`` log-probabilities of draft slots 1..B-1 for one block."""
+        hidden = self.drafter.draft_block(anchor, anchor_pos, drafter_cache)
+        return torch.log_softmax(self.drafter.block_logits(hidden[1:]).float(), dim=-1)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64) -> DecodeResult:
+        if mode not in ("chain", "ddtree"):
+            raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if budget < 1:
+            raise ValueError(f"DDTree budget must be >= 1, got {budget}")
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=self.model.config)
+        logits, context = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache, last_only=True)
+        drafter_cache = self._extend_context(None, context, 0)
+        pos = len(prompt_ids)  # == tokens in the target's cache == the anchor's position
+        anchor = int(logits[-1].argmax())
+        result = DecodeResult(tokens=[anchor])
+        while len(result.tokens) < max_new_tokens and anchor not in self.eos:
+            log_probs = self._draft_log_probs(anchor, pos, drafter_cache)
+            if mode == "chain":
+                accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache)
+            else:
+                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache)
+            drafter_cache = self._extend_context(drafter_cache, feats, pos)
+            result.accepted.append(len(accepted))
+            result.anchors.append(pos)
+            result.tokens.extend(accepted + [bonus])
+            anchor, pos = bonus, pos + len(accepted) + 1
+        # stop at the first end-of-sequence token and at the length limit, exactly like plain greedy
+        for i, tok in enumerate(result.tokens):
+            if tok in self.eos:
+                result.tokens = result.tokens[: i + 1]
+                break
+        result.tokens = result.tokens[:max_new_tokens]
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache):
+        logits, feats = self._forward([anchor, *drafts], torch.arange(pos, pos + 1 + len(drafts)), cache)
+        greedy = logits.argmax(-1).tolist()  # greedy[i] follows position pos + i
+        n = 0
+        while n < len(drafts) and drafts[n] == greedy[n]:
+            n += 1
+        cache.crop(-len(drafts[n:]))  # keep the anchor and the accepted drafts
+        return drafts[:n], greedy[n], feats[: n + 1]
+
+    def _verify_tree(self, anchor: int, pos: int, tree, cache):
+        n = len(tree)
+        dev = self.model.device
+        depths = torch.tensor([0, *tree.depths])
+        allowed = torch.zeros(n + 1, pos + n + 1, dtype=torch.bool)
+        allowed[:, : pos + 1] = True  # the cache and the anchor
+        allowed[1:, pos + 1:] = tree.ancestor_mask()  # each node: itself and its ancestors
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache, mask=mask[None, None].to(dev))
+        greedy = logits.argmax(-1).tolist()  # greedy[0]: after the anchor; greedy[1 + i]: after node i
+        children = tree.children()
+        node, path, nxt = -1, [], greedy[0]
+        while (node, nxt) in children:
+            node = children[(node, nxt)]
+            path.append(node)
+            nxt = greedy[1 + node]
+        keep = torch.tensor([*range(pos + 1), *(pos + 1 + i for i in path)], device=dev)
+        for layer in cache.layers:  # compact the cache to the accepted path
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+        return [tree.tokens[i] for i in path], nxt, feats[[0, *(1 + i for i in path)]]
+
+
+@torch.no_grad()
+def target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> tuple[list[int], float]:
+    """Plain greedy decoding with the target alone (Hugging Face ``generate``, KV cache): ``(tokens, seconds)``."""
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=list(eos_ids), pad_token_id=list(eos_ids)[0], top_k=None, top_p=None)
+    tokens = out[0, len(prompt_ids):].tolist()
+    for i, tok in enumerate(tokens):
+        if tok in set(eos_ids):
+            tokens = tokens[: i + 1]
+            break
+    return tokens, time.perf_counter() - t0
+
+
+def _forward_cache_kwarg(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version's forward takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def run_speculative(args, cfg) -> int:
+    """``dflash-train generate --speculative chain|ddtree --drafter CKPT``: decode each prompt with the
+    target alone and speculatively, check they agree token for token, report tau, tokens/s, speedup."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint import load_drafter, read_checkpoint_config
+    from .config import TargetConfig
+    from .data.records import Record, iter_records
+    from .errors import UserError
+    from .generate import _eos_ids
+    from .target_loading import load_target
+
+    budgets = args.budget or [64]
+    if any(b < 1 for b in budgets):
+        raise UserError(f"--budget must be >= 1, got {min(budgets)}")
+    if not args.drafter:
+        raise UserError("--speculative needs --drafter CHECKPOINT")
+    meta = read_checkpoint_config(args.drafter)
+    target_cfg = cfg.target if cfg.target.path != "tiny" or meta["target"].get("path") in (None, "tiny") else \
+        TargetConfig(path=meta["target"]["path"], dtype=cfg.target.dtype)
+    model, tok, _ = load_target(target_cfg.model_copy(update={"layer_ids": meta["target"]["layer_ids"],
+                                                              "num_feature_layers": len(meta["target"]["layer_ids"])}))
+    target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
+    drafter, _ = load_drafter(args.drafter, target, dtype=model.dtype)
+    eos = _eos_ids(model, tok)
+    prompts = []
+    for rec in iter_records(args.input):
+        if not isinstance(rec, Record) or rec.messages is None:
+            continue
+        first_assistant = next(i for i, m in enumerate(rec.messages) if m["role"] == "assistant")
+        ids = tok.apply_chat_template(rec.messages[:first_assistant], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        prompts.append((f"{rec.source}:{rec.line}", list(ids)))
+        if args.limit and len(prompts) >= args.limit:
+            break
+    if not prompts:
+        raise UserError("no prompts: the input has no chat record with an assistant turn")
+    decoder = SpeculativeDecoder(target, drafter, eos)
+    modes = [("chain", None)] if args.speculative == "chain" else [("ddtree", b) for b in budgets]
+    totals = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "mismatches": 0} for name in
+              ["target"] + [m if b is None else f"{m}-{b}" for m, b in modes]}
+    outputs = []
+    for source, ids in prompts:
+        ref, secs = target_greedy(model, ids, args.max_new_tokens, eos)
+        totals["target"]["tokens"] += len(ref)
+        totals["target"]["seconds"] += secs
+        record = {"source": source, "target_tokens": len(ref), "text": tok.decode(ref, skip_special_tokens=True)}
+        for mode, budget in modes:
+            name = mode if budget is None else f"{mode}-{budget}"
+            res = decoder.generate(ids, args.max_new_tokens, mode, budget=budget or 1)
+            t = totals[name]
+            t["tokens"] += len(res.tokens)
+            t["seconds"] += res.seconds
+            t["rounds"] += len(res.accepted)
+            t["accepted"] += sum(a + 1 for a in res.accepted)
+            t["mismatches"] += int(res.tokens != ref)
+            record[f"{name}_tau"] = res.tau
+        outputs.append(record)
+    base_rate = totals["target"]["tokens"] / totals["target"]["seconds"]
+    summary = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "target_tokens_per_s": base_rate,
+               "modes": {}}
+    print(f"{len(prompts)} prompts, target-only greedy: {base_rate:.1f} tokens/s")
+    for name, t in totals.items():
+        if name == "target":
+            continue
+        rate = t["tokens"] / t["seconds"]
+        summary["modes"][name] = {"tau": t["accepted"] / max(1, t["rounds"]), "tokens_per_s": rate,
+                                  "speedup": rate / base_rate, "mismatches": t["mismatches"]}
+        s = summary["modes"][name]
+        print(f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x, "
+              f"outputs differing from target greedy: {t['mismatches']}")
+    out = Path(args.output)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in outputs))
+    tmp.replace(out)
+    report = out.with_name(out.name + ".report.json")
+    report.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"report: {report}")
+    return 1 if any(s["mismatches"] for s in summary["modes"].values()) else 0
