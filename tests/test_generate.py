@@ -215,7 +215,7 @@ def test_resume_keeps_written_records_and_drops_a_torn_line(tmp_path, tiny, prom
     assert rows[1]["source"] == f"{data}:2" and rows[1]["messages"][1]["content"] != "old"
 
 
-CLI = ("import sys; from dflash_trainer.generate import main; sys.exit(main(sys.argv[1:]))")
+CLI = ("import sys; from dflash_trainer.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def test_resume_after_kill(tmp_path, tiny, prompts):

@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
@@ -447,22 +446,3 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="DDTree node budget; repeat for several (default 64)")
     p.set_defaults(func=run_generate)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dflash_trainer.generate ...``: the sub-command on its own, same errors as the main CLI."""
-    parser = argparse.ArgumentParser(prog="dflash-train")
-    add_generate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as exc:
-        print(f"dflash-train: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("dflash-train: interrupted (rerun the same command to resume)", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
