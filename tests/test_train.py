@@ -125,6 +125,19 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
     assert saved is not None and verify_checkpoint(saved) is None
 
 
+def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path):
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    cfg = config(tmp_path, data, "train.max_steps=6", "train.eval_every=6")
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    make = lambda: Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny",  # noqa: E731
+                           progress=False)
+    make().fit()
+    with pytest.raises(UserError, match="already holds checkpoints: continue with --resume auto"):
+        make().fit()
+    make().fit(overwrite=True)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 6  # one run's log, not two
+
+
 def test_corrupted_checkpoint_is_skipped_with_a_warning(tmp_path, capsys):
     data = write_data(tmp_path / "data.jsonl", n=8)
     cfg = config(tmp_path, data, "train.max_steps=12", "train.eval_every=12")

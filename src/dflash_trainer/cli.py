@@ -67,7 +67,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .run_train import run_training
 
-    run_training(_resolve(args), resume=None if args.resume == "none" else args.resume, progress=not args.no_progress)
+    run_training(_resolve(args), resume=None if args.resume == "none" else args.resume, progress=not args.no_progress,
+                 overwrite=args.overwrite)
     return 0
 
 
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="none", metavar="auto|PATH|none",
                    help="auto: continue from the newest complete checkpoint in output_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="start over in an output_dir that holds checkpoints")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("config", help="print the fully resolved config as YAML")

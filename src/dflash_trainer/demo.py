@@ -84,7 +84,7 @@ def run_demo(cfg: RunConfig, *, max_new_tokens: int = 160, prompts_per_file: int
           f"{cfg.drafter.block_size}) on {len(train_rows)} rows of {cfg.data.seq_len} tokens for "
           f"{cfg.train.max_steps} steps; untrained tau {before['tau']:.3f}", flush=True)
     t0 = time.time()
-    after = trainer.fit()
+    after = trainer.fit(overwrite=True)  # the demo always starts over
     checkpoint = out / "checkpoints" / f"step-{trainer.c.step:07d}"
     print(f"[5/5] trained in {time.time() - t0:.0f}s. Teacher-forced tau on {after['blocks']} held-out blocks: "
           f"{before['tau']:.3f} before -> {after['tau']:.3f} after training", flush=True)

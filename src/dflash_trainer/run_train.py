@@ -37,7 +37,7 @@ def prepare(cfg: RunConfig):
     return target, tokenizer, train_rows, eval_rows, report
 
 
-def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = True) -> dict:
+def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = True, overwrite: bool = False) -> dict:
     out = Path(cfg.output_dir)
     write_resolved_config(cfg, out)
     target, tokenizer, train_rows, eval_rows, report = prepare(cfg)
@@ -47,7 +47,7 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
           f"{len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens", flush=True)
     trainer = Trainer(cfg, target, tokenizer, train_rows, eval_rows, out_dir=out, target_path=cfg.target.path,
                       progress=progress)
-    result = trainer.fit(resume=resume)
+    result = trainer.fit(resume=resume, overwrite=overwrite)
     final = out / "checkpoints" / f"step-{trainer.c.step:07d}"
     summary = {"steps": trainer.c.step, "eval": result, "checkpoint": str(final),
                "skipped_nonfinite": trainer.c.skipped_nonfinite, "rows_without_anchors": trainer.c.rows_without_anchors}

@@ -344,10 +344,19 @@ class Trainer:
     def _on_signal(self, signum, _frame):
         self.stop_requested = signal.Signals(signum).name
 
-    def fit(self, resume: str | None = None) -> dict:
-        """Train to ``train.max_steps``; returns the final evaluation. ``resume``: "auto", a path or None."""
+    def fit(self, resume: str | None = None, overwrite: bool = False) -> dict:
+        """Train to ``train.max_steps``; returns the final evaluation. ``resume``: "auto", a path or None.
+        A fresh run refuses an output folder that already holds checkpoints unless ``overwrite``."""
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        old_checkpoints = self.out_dir / "checkpoints"
+        if not resume and old_checkpoints.is_dir() and any(old_checkpoints.iterdir()):
+            if not overwrite:
+                raise UserError(f"{self.out_dir} already holds checkpoints: continue with --resume auto, or start "
+                                "over with --overwrite, or choose another output_dir")
+            shutil.rmtree(old_checkpoints)
+        if not resume:
+            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
         (self.out_dir / "run.yaml").write_text(dump_config(cfg))
         if resume:
             path = find_resume_checkpoint(self.out_dir) if resume == "auto" else Path(resume)
