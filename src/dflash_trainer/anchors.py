@@ -84,7 +84,7 @@ def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask:
     valid = torch.zeros(nb, dtype=torch.bool, device=dev)
     valid[:n] = True
     idx = padded[:, None] + k  # [nb, B]
-    block_ids = torch.full((nb, block_size), mask_token_id, dtype=input_ids.dtype)
+    block_ids = torch.full((nb, block_size), mask_token_id, dtype=input_ids.dtype, device=dev)
     block_ids[:, 0] = input_ids[padded]
     labels = input_ids[idx].clone()
     has_loss = loss_mask[idx].bool() & valid[:, None]

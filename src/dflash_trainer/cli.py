@@ -5,6 +5,7 @@
     dflash-train generate --input DATA --output OUT.jsonl [--config ...]      regenerate responses with the target
     dflash-train config   [--config ...] [--set ...] [--keys]                 print the resolved config
     dflash-train presets                                                      list built-in presets
+    dflash-train eval     CHECKPOINT [...] --data DATA --out DIR               acceptance: chain tau, DDTree tau(budget)
     dflash-train export   --format zlab|speculators CHECKPOINT OUT | --check OUT
     dflash-train tiny-target eval|build                                       the embedded tiny target
 
@@ -136,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the built-in presets")
     p.set_defaults(func=_cmd_presets)
 
+    from .evaluate import add_eval_parser
     from .generate import add_generate_parser
 
     add_generate_parser(sub)
+    add_eval_parser(sub)
 
     p = sub.add_parser("export", help="export a drafter checkpoint for serving (zlab, speculators), or check an export")
     p.add_argument("--format", choices=["zlab", "speculators"])

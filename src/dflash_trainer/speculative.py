@@ -24,6 +24,8 @@ import torch
 from transformers import DynamicCache
 
 from .ddtree import build_tree
+from .loss import head_logit_options
+from .loss.reference import transform_logits
 from .drafter import DFlashDrafter
 from .target import TargetModel
 
@@ -47,6 +49,7 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
         self.model = target.model
         self._cache_kwarg = _forward_cache_kwarg(self.model)
+        self.head_options = head_logit_options(target.config)
 
     @torch.no_grad()
     def _forward(self, ids: list[int], positions: torch.Tensor, cache, mask=None, last_only=False):
@@ -70,7 +73,9 @@ class SpeculativeDecoder:
     def _draft_log_probs(self, anchor: int, anchor_pos: int, drafter_cache) -> torch.Tensor:
         """``[B-1, V]`` log-probabilities of draft slots 1..B-1 for one block."""
         hidden = self.drafter.draft_block(anchor, anchor_pos, drafter_cache)
-        return torch.log_softmax(self.drafter.block_logits(hidden[1:]).float(), dim=-1)
+        # the target's logit scale / softcap, as in training, so DDTree ranks prefixes by the same probabilities
+        logits = transform_logits(self.drafter.block_logits(hidden[1:]).float(), **self.head_options)
+        return torch.log_softmax(logits, dim=-1)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64) -> DecodeResult:

@@ -1,0 +1,252 @@
+"""`dflash-train eval`: teacher-forced chain and DDTree acceptance, checked against training's own
+eval, against one-block-at-a-time decoding with a brute-force tree, and through the real command."""
+
+import itertools
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_trainer.anchors import doc_ids_from_positions, valid_anchor_positions
+from dflash_trainer.checkpoint import load_drafter, save_drafter
+from dflash_trainer.config import TargetConfig, load_config
+from dflash_trainer.data.packing import PackedRow
+from dflash_trainer.data.records import iter_records
+from dflash_trainer.cli import main
+from dflash_trainer.evaluate import EvalInputError, acceptance_report, unique_labels
+from dflash_trainer.generate import regenerate_records
+from dflash_trainer.run_train import prepare
+from dflash_trainer.target import TargetModel
+from dflash_trainer.target_loading import load_target
+from dflash_trainer.tiny_target.corpus import load_split
+from dflash_trainer.train import Trainer, build_drafter, teacher_forced_acceptance
+
+B = 4
+SMALL = ["drafter.num_layers=1", f"drafter.block_size={B}", "data.seq_len=256", "data.max_anchors=32",
+         "train.lr=3e-3", "train.max_steps=100", "train.warmup_ratio=0.05"]
+TRAIN_STEPS = 100
+
+
+def write_regenerated(path, model, tokenizer, n=8, new_tokens=64):
+    """Chat records whose answers are the tiny target's own greedy continuations of stdlib code."""
+    prompts = path.with_suffix(".prompts.jsonl")
+    prompts.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Continue `{f.relpath}`:\n{f.text[:300]}"},
+        {"role": "assistant", "content": ""}]}) + "\n" for f in load_split("train", limit=n)))
+    records = regenerate_records(list(iter_records([str(prompts)])), model, tokenizer, max_new_tokens=new_tokens,
+                                 batch_size=n, progress=False)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A drafter trained 100 steps on the tiny target's own outputs, saved, an untrained one, and rows.
+
+    The rows are the training rows: 100 CPU steps only make a drafter that accepts more than one
+    token on text it has seen, and these tests check the evaluator, not generalization."""
+    torch.set_num_threads(min(2, torch.get_num_threads()))  # other work shares this machine
+    tmp = tmp_path_factory.mktemp("eval")
+    model, tok, _ = load_target(TargetConfig(path="tiny", dtype="float32"))
+    data = write_regenerated(tmp / "data.jsonl", model, tok)
+    cfg = load_config(["tiny-demo"], [*SMALL, f"data.train_files=[{data}]", f"data.eval_files=[{data}]",
+                                      f"output_dir={tmp / 'run'}"])
+    target, tok, train_rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=tmp / "run", target_path="tiny", progress=False)
+    for _ in range(TRAIN_STEPS):
+        trainer.train_step()
+    trained = save_drafter(trainer.drafter, tmp / "a" / "ckpt", target=target, target_path="tiny",
+                           extra={"step": TRAIN_STEPS})
+    fresh = save_drafter(build_drafter(cfg, target, tok), tmp / "b" / "ckpt", target=target, target_path="tiny")
+    return SimpleNamespace(tmp=tmp, cfg=cfg, target=target, drafter=trainer.drafter.eval(), rows=eval_rows,
+                           data=data, trained=trained, fresh=fresh)
+
+
+def test_chain_tau_equals_training_eval(setup):
+    ref = teacher_forced_acceptance(setup.cfg, setup.target, setup.drafter, setup.rows, max_blocks_per_row=16)
+    for chunk in (1 << 24, 1):  # all blocks of a row in one projection, and one block at a time
+        rep = acceptance_report(setup.target, setup.drafter, setup.rows, budgets=(4,), max_blocks_per_row=16,
+                                max_logit_elements=chunk)
+        assert rep["blocks"] == ref["blocks"] > 50
+        assert rep["tau"] == pytest.approx(ref["tau"], abs=1e-12)
+        assert rep["slot_acceptance"] == pytest.approx(ref["slot_acceptance"], abs=1e-6)
+    assert rep["tau"] > 1.3  # the few training steps taught it something: the checks below are not vacuous
+
+
+def test_report_is_self_consistent(setup):
+    budgets = [1, 2, 4, 16, 64]
+    rep = acceptance_report(setup.target, setup.drafter, setup.rows, budgets=[64, 1, 16, 4, 2, 16],
+                            max_blocks_per_row=16)
+    n, hist = rep["blocks"], rep["accepted_histogram"]
+    slot, cond, reach, tau = rep["slot_acceptance"], rep["conditional_acceptance"], rep["reach"], rep["tau"]
+    assert rep["budgets"] == budgets  # sorted, duplicates dropped
+    assert len(hist) == B and sum(hist) == n and sum(1 for h in hist if h) >= 2
+    assert sum(k * h for k, h in enumerate(hist)) / n + 1 == pytest.approx(tau)
+    assert sum(reach) + 1 == pytest.approx(tau)
+    for k in range(1, B):  # slot k is index k-1
+        assert reach[k - 1] == pytest.approx(sum(hist[k:]) / n)
+        previous = 1.0 if k == 1 else reach[k - 2]
+        assert reach[k - 1] == pytest.approx(previous * cond[k - 1])  # P(>= k) = P(>= k-1) P(k | k-1)
+        assert slot[k - 1] >= reach[k - 1] - 1e-12  # accepting slot k needs a match at slot k
+    assert cond[0] == pytest.approx(slot[0])
+    ddtree = rep["ddtree_tau"]
+    assert all(1 <= t <= B for t in ddtree)
+    assert all(a <= b + 1e-12 for a, b in zip(ddtree, ddtree[1:]))  # a bigger tree holds the smaller one
+    assert ddtree[0] == pytest.approx(1 + slot[0])  # budget 1: the drafter's top token at slot 1 only
+    assert ddtree[-1] > tau  # 64 nodes cover more than the single chain for this drafter
+
+
+def _brute_force_accepted(log_probs, greedy, budget):
+    """Accepted length when the tree is the ``budget`` most probable prefixes, found by enumeration.
+    A top-``budget`` prefix only uses per-depth top-``budget`` tokens (each better token at one depth
+    gives a more probable prefix of the same depth), so enumerating those is exhaustive."""
+    depth = log_probs.shape[0]
+    top = [log_probs[d].topk(budget).indices.tolist() for d in range(depth)]
+    scored = [(sum(log_probs[d, t].item() for d, t in enumerate(p)), p)
+              for n in range(1, depth + 1) for p in itertools.product(*top[:n])]
+    chosen = {p for _, p in sorted(scored, key=lambda s: -s[0])[:budget]}
+    n = 0
+    while n < depth and tuple(greedy[: n + 1]) in chosen:
+        n += 1
+    return n
+
+
+def test_matches_one_block_decoding_and_brute_force_tree(setup):
+    """float64, every valid anchor: the report equals a per-block reference built from serving-layout
+    drafts (``draft_block``), the target's full logits and an enumerated DDTree."""
+    model, _, _ = load_target(TargetConfig(path="tiny", dtype="float32"))
+    target = TargetModel(model.double())
+    drafter, _ = load_drafter(setup.trained, target, dtype=torch.float64)
+    rows = []
+    for row in setup.rows[:2]:  # the last 48 tokens of each row's first document (its answer), as a row
+        end = int((doc_ids_from_positions(row.position_ids) == 0).sum())
+        rows.append(PackedRow(input_ids=row.input_ids[end - 48:end], position_ids=torch.arange(48),
+                              loss_mask=row.loss_mask[end - 48:end]))
+    budgets = [1, 2, 3, 8]
+    chain, trees = [], []
+    with torch.no_grad():
+        for row in rows:
+            logits = model(row.input_ids[None]).logits[0]  # [48, V]: fine for a 48-token reference
+            feats = target.features(row.input_ids, need_teacher=False).context
+            for a in valid_anchor_positions(row.loss_mask, torch.zeros(48, dtype=torch.long), B).tolist():
+                h = drafter.draft_block(int(row.input_ids[a]), a, drafter.context_cache(feats[:a], torch.arange(a)))
+                log_probs = torch.log_softmax(drafter.block_logits(h[1:]), -1)  # [B-1, V]
+                greedy = logits[a:a + B - 1].argmax(-1).tolist()  # slot k: the target's logits at a + k - 1
+                draft = log_probs.argmax(-1).tolist()
+                chain.append(next((k for k in range(B - 1) if draft[k] != greedy[k]), B - 1))
+                trees.append([_brute_force_accepted(log_probs, greedy, bud) for bud in budgets])
+    rep = acceptance_report(target, drafter, rows, budgets=budgets, max_blocks_per_row=1000)
+    assert rep["blocks"] == len(chain) > 40
+    assert rep["accepted_histogram"] == [chain.count(k) for k in range(B)]
+    assert rep["tau"] == pytest.approx(1 + sum(chain) / len(chain), abs=1e-12)
+    expected = [1 + sum(t[i] for t in trees) / len(trees) for i in range(len(budgets))]
+    assert rep["ddtree_tau"] == pytest.approx(expected, abs=1e-12)
+    assert expected[-1] > expected[0]  # the budgets do differ on these blocks
+
+
+def test_bad_arguments_and_empty_input(setup):
+    args = (setup.target, setup.drafter)
+    with pytest.raises(ValueError, match="DDTree budgets must be integers >= 1, got 0"):
+        acceptance_report(*args, setup.rows, budgets=(16, 0))
+    with pytest.raises(EvalInputError, match="max blocks per row"):
+        acceptance_report(*args, setup.rows, max_blocks_per_row=0)
+    with pytest.raises(EvalInputError, match="the data set is empty"):
+        acceptance_report(*args, [])
+    masked = PackedRow(input_ids=setup.rows[0].input_ids, position_ids=setup.rows[0].position_ids,
+                       loss_mask=torch.zeros_like(setup.rows[0].loss_mask))
+    with pytest.raises(EvalInputError, match=f"no valid block of {B} tokens in 1 evaluation rows"):
+        acceptance_report(*args, [masked])
+
+
+def test_labels_tell_checkpoints_apart(tmp_path):
+    assert unique_labels([tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt"]) == ["a/ckpt", "b/ckpt"]
+    assert unique_labels([tmp_path / "g4", tmp_path / "g10"]) == ["g4", "g10"]
+
+
+def test_cli_compares_two_checkpoints(setup, tmp_path):
+    out = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_trainer.cli", "eval", str(setup.trained), str(setup.fresh),
+         "--data", str(setup.data), "--out", str(out), "--budgets", "2,8,32", "--max-blocks-per-row", "8",
+         "--set", "data.seq_len=128"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [e["label"] for e in report["checkpoints"]] == ["a/ckpt", "b/ckpt"]
+    assert report["budgets"] == [2, 8, 32] and report["target"] == "tiny"
+    trained, fresh = (e["report"] for e in report["checkpoints"])
+    assert trained["blocks"] == fresh["blocks"] > 0  # same rows, same anchors
+    assert trained["tau"] > fresh["tau"]
+    assert "a/ckpt" in result.stdout and "T@32" in result.stdout
+    from matplotlib.image import imread
+
+    for name in ("acceptance_per_slot.png", "tau_vs_budget.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert imread(out / name).shape[0] > 200
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def _edit_checkpoint(src, dst, edit):
+    import shutil
+
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "drafter_config.json").read_text())
+    edit(meta)
+    (dst / "drafter_config.json").write_text(json.dumps(meta))
+    return dst
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("hidden", "hidden size 128 != target's 256"),
+    ("vocab", "vocabulary 4096 != target's 8192"),
+    ("layer_ids", "layer ids [20] outside the target's 0..7"),
+    ("layer_count", "trained on a 16-layer target, this one has 8 layers"),
+    ("config_layer_ids", "trained on target layer ids [1, 2, 3, 4, 5], the config asks for [0, 1, 2, 3, 4]"),
+    ("block", "block size 1 < 2"),
+    ("budget", "--budgets must be integers >= 1, got '16,0'"),
+    ("max_blocks", "--max-blocks-per-row must be integers >= 1"),
+    ("empty_data", "no records in"),
+    ("no_block", "no usable document among 2 records"),
+    ("two_targets", "the checkpoints were trained for different targets"),
+    ("not_a_checkpoint", "is not a drafter checkpoint"),
+])
+def test_bad_input_is_one_clear_line(setup, tmp_path, capsys, case, needle):
+    ckpts, extra, data = [setup.trained], [], setup.data
+    edits = {
+        "hidden": lambda m: m["spec"].update(hidden_size=128),
+        "vocab": lambda m: m["spec"].update(vocab_size=4096),
+        "layer_ids": lambda m: m["target"].update(layer_ids=[1, 2, 3, 4, 20]),
+        "layer_count": lambda m: m["target"].update(num_layers=16),
+        "block": lambda m: m["spec"].update(block_size=1),
+    }
+    if case in edits:
+        ckpts = [_edit_checkpoint(setup.trained, tmp_path / "bad", edits[case])]
+    elif case == "config_layer_ids":
+        extra = ["--set", "target.layer_ids=[0,1,2,3,4]"]
+    elif case == "budget":
+        extra = ["--budgets", "16,0"]
+    elif case == "max_blocks":
+        extra = ["--max-blocks-per-row", "-3"]
+    elif case == "empty_data":
+        data = tmp_path / "empty.jsonl"
+        data.write_text("")
+    elif case == "no_block":  # every document shorter than one block
+        data = tmp_path / "short.jsonl"
+        data.write_text('{"input_ids": [5, 6], "loss_mask": [1, 1]}\n{"input_ids": [7], "loss_mask": [1]}\n')
+    elif case == "two_targets":
+        other = _edit_checkpoint(setup.trained, tmp_path / "other", lambda m: m["target"].update(path="/x"))
+        ckpts = [setup.trained, other]
+    elif case == "not_a_checkpoint":
+        ckpts = [tmp_path]
+    out = tmp_path / "out"
+    code = main(["eval", *map(str, ckpts), "--data", str(data), "--out", str(out), "--set", "data.seq_len=128", *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-train: error: "), err
+    assert needle in lines[0]
+    assert not (out / "report.json").exists()
