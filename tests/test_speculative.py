@@ -110,3 +110,27 @@ def test_bad_arguments(trained):
         decoder.generate([], 8)
     with pytest.raises(ValueError, match="budget must be >= 1"):
         decoder.generate([1, 2, 3], 8, "ddtree", budget=0)
+
+
+def test_generate_chain_tau_agrees_with_eval_decode_tau(trained):
+    """On the same prompts, `generate --speculative chain` and `eval` (its decode-path tau, walked
+    over the target's greedy responses) measure the same tau."""
+    from dflash_trainer.data.documents import Document
+    from dflash_trainer.data.packing import pack_documents
+    from dflash_trainer.evaluate import decode_path_acceptance
+
+    target, drafter = trained["target"], trained["drafter"]
+    decoder = SpeculativeDecoder(target, drafter, EOS)
+    docs, rounds, total = [], 0, 0
+    for i, ids in enumerate(trained["prompts"]):
+        ref, _ = target_greedy(target.model, ids, 48, EOS)
+        res = decoder.generate(ids, 48, "chain")
+        # the last round may run past the response; eval cannot place a block there, so compare the rest
+        full = [(a, n) for a, n in zip(res.anchors, res.accepted) if a + drafter.spec.block_size <= len(ids) + len(ref)]
+        rounds += len(full)
+        total += sum(n + 1 for _, n in full)
+        docs.append(Document(ids + ref, [0] * len(ids) + [1] * len(ref), "mem", i))
+    rows = pack_documents(docs, 512, 0)
+    report = decode_path_acceptance(target, drafter, rows)
+    assert report["rounds"] == rounds
+    assert abs(report["tau"] - total / rounds) < 1e-9
