@@ -138,7 +138,7 @@ def test_weights_schedules():
 
 
 def test_chunk_size_from_memory_budget():
-    assert chunk_rows(32000, None, 32000 * 20 * 10) == 10
+    assert chunk_rows(32000, None, 32000 * 26 * 10) == 10
     assert chunk_rows(32000, 5, None) == 5
     with pytest.raises(ValueError, match="below one row's workspace"):
         chunk_rows(32000, None, 1000)

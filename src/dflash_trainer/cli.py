@@ -6,6 +6,7 @@
     dflash-train config   [--config ...] [--set ...] [--keys]                 print the resolved config
     dflash-train presets                                                      list built-in presets
     dflash-train eval     CHECKPOINT [...] --data DATA --out DIR               acceptance: chain tau, DDTree tau(budget)
+    dflash-train plan     --config PRESET [--gpu h100] [--json] [--naive]     will it fit? what does?
     dflash-train export   --format zlab|speculators CHECKPOINT OUT | --check OUT
     dflash-train tiny-target eval|build                                       the embedded tiny target
 
@@ -139,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .evaluate import add_eval_parser
     from .generate import add_generate_parser
+    from .planner import add_plan_parser
 
     add_generate_parser(sub)
     add_eval_parser(sub)
+    add_plan_parser(sub)
 
     p = sub.add_parser("export", help="export a drafter checkpoint for serving (zlab, speculators), or check an export")
     p.add_argument("--format", choices=["zlab", "speculators"])

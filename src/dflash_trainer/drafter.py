@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import MaskSpec, dense_mask, flex_block_mask
 from .errors import UserError
@@ -43,6 +44,7 @@ class DrafterSpec:
     noise: str = "none"
     noise_scale: float = 0.0
     mask_token_id: int = 0
+    activation_checkpointing: bool = False  # training only: recompute each layer in the backward pass
 
     @classmethod
     def from_target(cls, target_config, drafter_cfg, *, num_features: int, mask_token_id: int) -> DrafterSpec:
@@ -59,6 +61,7 @@ class DrafterSpec:
             sliding_window_layers=tuple(drafter_cfg.sliding_window_layers), sliding_window=drafter_cfg.sliding_window,
             causal_in_block_sliding=drafter_cfg.causal_in_block_sliding, noise=drafter_cfg.noise,
             noise_scale=drafter_cfg.noise_scale, mask_token_id=mask_token_id,
+            activation_checkpointing=getattr(drafter_cfg, "activation_checkpointing", False),
         )
 
     def layer_mask_spec(self, layer: int) -> MaskSpec:
@@ -192,6 +195,11 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _layer_step(layer: DrafterLayer, x, ctx, cos_c, sin_c, cos_q, sin_q, mask, backend):
+    """One layer of the training layout: its own keys/values of the context rows, then the layer."""
+    return layer(x, layer.self_attn.keys_values(ctx, cos_c, sin_c), cos_q, sin_q, mask, backend)
+
+
 class DFlashDrafter(nn.Module):
     """``fc``, ``hidden_norm``, ``layers``, ``norm``; the embedding and lm_head stay the target's."""
 
@@ -262,9 +270,12 @@ class DFlashDrafter(nn.Module):
         x = self._embed(block_ids.reshape(-1))
         cos_q, sin_q = rope_cos_sin(block_positions.reshape(-1), self.spec.head_dim, self.spec.rope_theta, x.dtype)
         cos_c, sin_c = rope_cos_sin(context_positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        # Activation checkpointing keeps only each layer's inputs (x; ctx and the tables are shared) and
+        # recomputes the layer, context keys/values included, in the backward pass (planner/formulas.py).
+        recompute = self.spec.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer, spec in zip(self.layers, self.mask_specs):
-            context_kv = layer.self_attn.keys_values(ctx, cos_c, sin_c)
-            x = layer(x, context_kv, cos_q, sin_q, masks[spec], backend)
+            args = (layer, x, ctx, cos_c, sin_c, cos_q, sin_q, masks[spec], backend)
+            x = checkpoint(_layer_step, *args, use_reentrant=False) if recompute else _layer_step(*args)
         return self.norm(x)
 
     @torch.no_grad()

@@ -39,6 +39,11 @@ def prepare(cfg: RunConfig):
 
 def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = True, overwrite: bool = False) -> dict:
     out = Path(cfg.output_dir)
+    # Plan this run before the target or the data are loaded: refuse what will not fit, and fill in the
+    # loss chunk the planner derives (so run.yaml records it). topology.preflight=false overrides.
+    from .planner.preflight import preflight
+
+    cfg = preflight(cfg)
     write_resolved_config(cfg, out)
     target, tokenizer, train_rows, eval_rows, report = prepare(cfg)
     skipped = ", ".join(f"{n} {kind}" for kind, n in report.counts.items()) or "none"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny target
 
@@ -61,6 +61,9 @@ class DrafterConfig(Section):
     mask_token_id: int | None = Field(None, ge=0, description="null = the tokenizer's <|MASK|> token")
     attention_backend: Literal["dense", "flex"] = Field(
         "dense", description="dense boolean mask + SDPA (CPU, small cases) or FlexAttention BlockMask (GPU, compiled)"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each drafter layer in the backward pass instead of keeping its activations"
     )
 
     @model_validator(mode="after")
@@ -114,6 +117,36 @@ class TrainConfig(Section):
     max_consecutive_nonfinite: int = Field(10, ge=1, description="stop after this many non-finite steps in a row")
 
 
+class TopologyConfig(Section):
+    """Where the run's pieces live: read by the memory planner (``dflash-train plan``) and the preflight."""
+
+    gpu: str = Field(
+        "auto", description="memory of each GPU: a preset (rtx-pro-6000, h100, h200, a100-80gb, l40s) or GB, "
+        "e.g. 95; auto = the device this process trains on"
+    )
+    target_gpus: int = Field(0, ge=0, description="GPUs running target replicas; 0 = the target shares the drafter's device")
+    drafter_gpus: int = Field(1, ge=1, description="GPUs training drafter replicas (data parallel)")
+    target_model: str | None = Field(
+        None, description="what the planner prices when target.path is not set: a built-in target "
+        "(qwen3.6-27b, qwen3-8b), a model folder or a config.json"
+    )
+    allocator_margin: float = Field(0.05, ge=0.0, le=1.0, description="share of the tensor peak kept for allocator fragmentation")
+    preflight: bool = Field(True, description="dflash-train train refuses a run the planner predicts will not fit")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str) -> str:
+        if value != "auto":
+            from ..errors import UserError
+            from ..planner.shapes import gpu_memory
+
+            try:
+                gpu_memory(value)
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+
 class RunConfig(Section):
     """A whole run. ``output_dir`` receives the resolved ``run.yaml`` and everything the run writes."""
 
@@ -124,6 +157,7 @@ class RunConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
 
     @model_validator(mode="after")
     def _anchors_fit_row(self) -> RunConfig:

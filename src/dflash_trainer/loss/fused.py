@@ -22,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Bytes per chunk element that the chunk loop keeps alive at its worst (KL at T != 1; see above).
-BYTES_PER_CHUNK_ELEMENT = 20
+# Bytes per chunk element that the chunk loop keeps alive at its worst, used to size chunks from a
+# byte budget: 16-20 for the common cases above, 24 for KL at T != 1 and 26 for CAP with every row
+# correct and a bf16 head (the subset buffers and the bf16 GEMM output), as the planner's allocator
+# log measured; the budget must hold in the worst case.
+BYTES_PER_CHUNK_ELEMENT = 26
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # 256 MiB of chunk workspace when neither chunk_size nor budget is given
 
 
@@ -48,7 +51,7 @@ def head_logit_options(config) -> dict:
 
 
 def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | None) -> int:
-    """Rows per chunk: explicit, or the most whose workspace ``c*V*20`` bytes fits ``memory_budget``."""
+    """Rows per chunk: explicit, or the most whose worst-case workspace ``c*V*26`` bytes fits ``memory_budget``."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
