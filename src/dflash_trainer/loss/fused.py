@@ -13,7 +13,8 @@ gradient, and the GEMM work is 6NHV FLOPs in all (student logits, teacher logits
 Memory beyond the inputs: ``dh_s`` (``N*H*4`` bytes, twice with CAP, whose normalization by the
 global number of correct rows is only known after the last chunk) plus, per chunk, three fp32
 ``[c, V]`` buffers and one transient (four buffers with KL at T != 1): ``c*V*16`` to ``c*V*20``
-bytes, about the ``c*V*18`` of DESIGN.md. Softcap adds one transient in the gradient.
+bytes, about the ``c*V*18`` of DESIGN.md; CAP's correct-row subset and a bf16 head's GEMM output
+reach ``c*V*26`` at worst. Softcap adds one transient in the gradient.
 """
 
 from __future__ import annotations
