@@ -21,33 +21,16 @@ import sys
 from importlib import resources
 
 from . import __version__
-from .config import dump_config, load_config, preset_names, valid_keys
+from .config import dump_config, preset_names, valid_keys
+from .config.cli_args import add_config_args, resolve_config
 from .errors import UserError
-
-
-def _add_config_args(p: argparse.ArgumentParser, default_preset: str | None) -> None:
-    p.add_argument(
-        "--config", action="append", default=None, metavar="FILE|PRESET",
-        help="YAML file or built-in preset name; repeat to layer several (later wins)"
-        + (f"; default: {default_preset}" if default_preset else ""),
-    )
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="dotted override applied after all --config files, e.g. --set train.lr=3e-4",
-    )
-    p.set_defaults(default_preset=default_preset)
-
-
-def _resolve(args: argparse.Namespace):
-    sources = args.config if args.config is not None else ([args.default_preset] if args.default_preset else [])
-    return load_config(sources, args.overrides)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         print("\n".join(valid_keys()))
         return 0
-    sys.stdout.write(dump_config(_resolve(args)))
+    sys.stdout.write(dump_config(resolve_config(args)))
     return 0
 
 
@@ -62,14 +45,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(_resolve(args), max_new_tokens=args.max_new_tokens, prompts_per_file=args.prompts_per_file)
+    run_demo(resolve_config(args), max_new_tokens=args.max_new_tokens, prompts_per_file=args.prompts_per_file)
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .run_train import run_training
 
-    run_training(_resolve(args), resume=None if args.resume == "none" else args.resume, progress=not args.no_progress,
+    run_training(resolve_config(args), resume=None if args.resume == "none" else args.resume, progress=not args.no_progress,
                  overwrite=args.overwrite)
     return 0
 
@@ -117,13 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="train a drafter on the embedded tiny target end to end (no input needed)")
-    _add_config_args(p, default_preset="tiny-demo")
+    add_config_args(p, default_preset="tiny-demo")
     p.add_argument("--max-new-tokens", type=int, default=160, help="length of each regenerated response")
     p.add_argument("--prompts-per-file", type=int, default=4, help="prompts cut from each held-out stdlib file")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("train", help="train a drafter (data.train_files: JSONL chat or pre-tokenized records)")
-    _add_config_args(p, default_preset=None)
+    add_config_args(p, default_preset=None)
     p.add_argument("--resume", default="none", metavar="auto|PATH|none",
                    help="auto: continue from the newest complete checkpoint in output_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
@@ -131,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("config", help="print the fully resolved config as YAML")
-    _add_config_args(p, default_preset=None)
+    add_config_args(p, default_preset=None)
     p.add_argument("--keys", action="store_true", help="list every valid dotted key instead")
     p.set_defaults(func=_cmd_config)
 

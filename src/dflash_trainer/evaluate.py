@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from .anchors import build_blocks, doc_ids_from_positions, sample_anchors, valid_anchor_positions
+from .config.cli_args import add_config_args, resolve_config
 from .ddtree import accepted_in_tree, build_tree
 from .drafter import DFlashDrafter
 from .errors import UserError
@@ -387,7 +388,7 @@ def run_eval(args: argparse.Namespace) -> int:
     Every input is checked (arguments, checkpoints against the target's config, data) before the
     target's weights are loaded: a bad input fails in seconds, even for a 54 GB target."""
     from .checkpoint import load_drafter
-    from .config import load_config, write_resolved_config
+    from .config import write_resolved_config
     from .data.documents import load_documents
     from .data.packing import pack_documents
     from .target import TargetModel
@@ -398,7 +399,7 @@ def run_eval(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise EvalInputError(f"--out {out} exists and is not a folder")
-    cfg = load_config(args.config if args.config is not None else [args.default_preset], args.overrides)
+    cfg = resolve_config(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     checkpoints = [Path(c) for c in args.checkpoints]
     metas = _read_metas(checkpoints)
@@ -461,10 +462,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-blocks-per-row", default="64", metavar="N", help="blocks sampled per packed row (default 64)")
     p.add_argument("--seed", type=int, default=1234, help="anchor sampling seed (default 1234)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--config", action="append", default=None, metavar="FILE|PRESET",
-                   help="YAML file or built-in preset name (target dtype, data.seq_len, ...); repeat to layer "
-                   "several; default: tiny-demo")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override, e.g. --set target.path=/models/qwen (default: the checkpoint's target)")
-    p.set_defaults(func=run_eval, default_preset="tiny-demo")
+    add_config_args(p, default_preset="tiny-demo",
+                    set_help="dotted override, e.g. --set target.path=/models/qwen (default: the checkpoint's target)")
+    p.set_defaults(func=run_eval)
     return p

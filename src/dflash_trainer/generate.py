@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config.cli_args import add_config_args, resolve_config
 from .data.records import BadRecord, Record, expand_paths, iter_records
 from .errors import UserError
 
@@ -318,20 +319,12 @@ def _temperature(text: str) -> float:
     return value
 
 
-def _resolve_config(args: argparse.Namespace):
-    """``--config``/``--set`` -> ``RunConfig``, exactly as the other sub-commands resolve them."""
-    from .config import load_config
-
-    sources = args.config if args.config is not None else ([args.default_preset] if args.default_preset else [])
-    return load_config(sources, args.overrides)
-
-
 def run_generate(args: argparse.Namespace) -> int:
     """The ``generate`` sub-command: regenerate ``--input`` into ``--output``; 0 on success."""
     if getattr(args, "speculative", None):
         from .speculative import run_speculative
 
-        return run_speculative(args, _resolve_config(args))
+        return run_speculative(args, resolve_config(args))
     out = Path(args.output).expanduser()
     partial = out.with_name(out.name + ".partial")
     report_path = out.with_name(out.name + ".report.json")
@@ -343,7 +336,7 @@ def run_generate(args: argparse.Namespace) -> int:
     files = expand_paths(args.input)
     if out.resolve() in {f.resolve() for f in files}:
         raise UserError(f"--output {out} is also an input file")
-    cfg = _resolve_config(args)
+    cfg = resolve_config(args)
     done = _load_partial(partial)
 
     import torch
@@ -418,15 +411,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         "(DFlash drafters learn the target's distribution). Writes OUT.partial, resumes from it on a "
         "rerun, renames it to OUT at the end, and writes OUT.report.json.",
     )
-    p.add_argument(
-        "--config", action="append", default=None, metavar="FILE|PRESET",
-        help="YAML file or built-in preset name; repeat to layer several (later wins); default: tiny-demo",
-    )
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="dotted override applied after all --config files, e.g. --set target.path=/models/qwen",
-    )
-    p.set_defaults(default_preset="tiny-demo")
+    add_config_args(p, default_preset="tiny-demo",
+                    set_help="dotted override applied after all --config files, e.g. --set target.path=/models/qwen")
     p.add_argument("--input", action="append", required=True, metavar="PATH",
                    help="JSONL file or folder of *.jsonl; repeat for several")
     p.add_argument("--output", required=True, metavar="OUT.jsonl", help="output JSONL (its folder must exist)")

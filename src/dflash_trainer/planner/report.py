@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from ..config.cli_args import add_config_args, resolve_config
 from ..errors import UserError
 from . import formulas as F
 from .plan import Plan, Topology, make_plan
@@ -208,10 +209,8 @@ def _int_arg(name):
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``dflash-train plan`` on the CLI's sub-parsers (``func`` is set)."""
-    from ..cli import _add_config_args
-
     p = subparsers.add_parser("plan", help="predict the memory of a training run on each device, before launch")
-    _add_config_args(p, default_preset=None)
+    add_config_args(p, default_preset=None)
     p.add_argument("--target", default=None, metavar="PRESET|PATH",
                    help=f"target to price: {', '.join(TARGET_PRESETS)}, tiny, a model folder or a config.json "
                    "(default: target.path, else topology.target_model)")
@@ -229,9 +228,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ..cli import _resolve
 
-    cfg = _resolve(args)
+    cfg = resolve_config(args)
     plan = plan_for_config(cfg, target=args.target, gpu=args.gpu, target_gpus=args.target_gpus,
                            drafter_gpus=args.drafter_gpus, naive=args.naive)
     if args.json:
