@@ -38,6 +38,7 @@ from .ddtree import accepted_in_tree, build_tree
 from .drafter import DFlashDrafter
 from .errors import UserError
 from .loss import head_logit_options
+from .loss.reference import transform_logits
 
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512)
 REPORT_FORMAT = "dflash-trainer-eval/1"
@@ -58,15 +59,6 @@ def check_budgets(budgets: Sequence[int]) -> list[int]:
     if bad:
         raise EvalInputError(f"DDTree budgets must be integers >= 1, got {bad[0]!r}")
     return sorted({int(b) for b in budgets})
-
-
-def _head_transform(logits: torch.Tensor, options: dict) -> torch.Tensor:
-    """The target's own logit transform (``logit_scale``, ``final_logit_softcapping``), which the
-    loss trains the drafter under: the DDTree ranks prefixes by these distributions."""
-    logits = logits * options["logit_scale"]
-    if options["softcap"]:
-        logits = options["softcap"] * torch.tanh(logits / options["softcap"])
-    return logits
 
 
 @torch.no_grad()
@@ -129,7 +121,7 @@ def acceptance_report(target, drafter: DFlashDrafter, rows: Sequence, *, budgets
                 match = draft_logits.argmax(-1) == greedy  # [g, B-1]
                 accepted_parts.append(match.long().cumprod(1).sum(1).cpu())
                 match_parts.append(match.cpu())
-                log_probs = torch.log_softmax(_head_transform(draft_logits.float(), logit_options), dim=-1)
+                log_probs = torch.log_softmax(transform_logits(draft_logits.float(), **logit_options), dim=-1)
                 greedy_lists = greedy.tolist()
                 for j, path in enumerate(greedy_lists):
                     tree_parts.append([accepted_in_tree(build_tree(log_probs[j], budget), path) for budget in budgets])

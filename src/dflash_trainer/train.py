@@ -64,7 +64,7 @@ def build_drafter(cfg: RunConfig, target, tokenizer) -> DFlashDrafter:
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
     # Qwen-style init: normal(0, 0.02) for projections, ones for norms (the norms' default).
-    for name, p in drafter.named_parameters():
+    for p in drafter.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
     return drafter.float()
@@ -409,11 +409,5 @@ class Trainer:
         return last_eval
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    root = Path(out_dir) / "checkpoints"
-    found = sorted(p for p in root.glob("step-*") if verify_checkpoint(p) is None) if root.is_dir() else []
-    return found[-1] if found else None
-
-
-__all__ = ["Trainer", "build_drafter", "find_resume_checkpoint", "latest_checkpoint", "loss_of", "row_forward",
+__all__ = ["Trainer", "build_drafter", "find_resume_checkpoint", "loss_of", "row_forward",
            "teacher_forced_acceptance", "verify_checkpoint"]
