@@ -28,6 +28,9 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/dflash-train demo
 
 test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 clean:

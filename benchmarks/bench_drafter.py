@@ -21,17 +21,21 @@ from pathlib import Path
 
 import torch
 
-from dflash_trainer.anchors import build_blocks, doc_ids_from_positions, sample_anchors
 from dflash_trainer.config import load_config
-from dflash_trainer.drafter import DFlashDrafter, DrafterSpec
+from dflash_trainer.data.blocks import build_blocks, sample_anchors
+from dflash_trainer.data.packing import doc_ids_from_positions
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.tiny_target import load_tiny_target
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = [  # (name, preset, overrides for a CPU-sized row)
     ("tiny-demo", "tiny-demo", []),
-    ("ddtree-experiment (row 4096, 128 anchors)", "ddtree-experiment",
-     ["target.path=tiny", "data.seq_len=4096", "data.max_anchors=128", "drafter.attention_backend=dense"]),
+    (
+        "ddtree-experiment (row 4096, 128 anchors)",
+        "ddtree-experiment",
+        ["target.path=tiny", "data.seq_len=4096", "data.max_anchors=128", "drafter.attention_backend=dense"],
+    ),
 ]
 
 
@@ -51,8 +55,9 @@ def main() -> None:
     rows = []
     for name, preset, overrides in LAYOUTS:
         cfg = load_config([preset], overrides)
-        spec = DrafterSpec.from_target(model.config, cfg.drafter, num_features=cfg.target.num_feature_layers,
-                                       mask_token_id=tok.mask_token_id)
+        spec = DrafterSpec.from_target(
+            model.config, cfg.drafter, num_features=cfg.target.num_feature_layers, mask_token_id=tok.mask_token_id
+        )
         torch.manual_seed(0)
         drafter = DFlashDrafter(spec, model.get_input_embeddings(), model.get_output_embeddings().weight).train()
         g = torch.Generator().manual_seed(0)
@@ -62,13 +67,28 @@ def main() -> None:
         doc = doc_ids_from_positions(positions)
         feats = torch.randn(length, spec.num_features * spec.hidden_size, generator=g)
         anchors = sample_anchors(torch.ones(length, dtype=torch.long), doc, spec.block_size, cfg.data.max_anchors, g)
-        blocks = build_blocks(ids, positions, torch.ones(length, dtype=torch.long), anchors, block_size=spec.block_size,
-                              mask_token_id=spec.mask_token_id, gamma=cfg.loss.gamma)
-        row = {"layout": name, "parameters": sum(p.numel() for p in drafter.parameters()),
-               "layers": spec.num_layers, "block_size": spec.block_size, "anchors": anchors.numel(),
-               "query_rows": anchors.numel() * spec.block_size, "context_rows": length}
+        blocks = build_blocks(
+            ids,
+            positions,
+            torch.ones(length, dtype=torch.long),
+            anchors,
+            block_size=spec.block_size,
+            mask_token_id=spec.mask_token_id,
+            gamma=cfg.loss.gamma,
+        )
+        row = {
+            "layout": name,
+            "parameters": sum(p.numel() for p in drafter.parameters()),
+            "layers": spec.num_layers,
+            "block_size": spec.block_size,
+            "anchors": anchors.numel(),
+            "query_rows": anchors.numel() * spec.block_size,
+            "context_rows": length,
+        }
         for backend in ("dense", "flex"):
-            row[f"{backend}_mask_s"] = timed(lambda: drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, backend), 2)
+            row[f"{backend}_mask_s"] = timed(
+                lambda: drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, backend), 2
+            )
             masks = drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, backend)
 
             def forward():
@@ -87,18 +107,30 @@ def main() -> None:
         row["flex_forward_backward_s"] = None  # no FlexAttention backward on CPU
         rows.append(row)
         print(row, flush=True)
-    meta = {"cpus": os.cpu_count(), "threads": 2, "torch": torch.__version__, "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bench_drafter.py"}
+    meta = {
+        "cpus": os.cpu_count(),
+        "threads": 2,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/bench_drafter.py",
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "drafter.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"# Drafter benchmark on the tiny target ({meta['date']}, {meta['cpus']} CPUs, 2 threads, torch {meta['torch']})",
-             "", f"`{meta['command']}`; fp32; median of 3 after a warm-up. Flex runs eager (unfused) on CPU and has no backward there.",
-             "", "| layout | params | queries x context | dense mask s | flex mask s | dense fwd s | flex fwd s | dense fwd+bwd s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Drafter benchmark on the tiny target ({meta['date']}, {meta['cpus']} CPUs, 2 threads, torch {meta['torch']})",
+        "",
+        f"`{meta['command']}`; fp32; median of 3 after a warm-up. Flex runs eager (unfused) on CPU and has no backward there.",
+        "",
+        "| layout | params | queries x context | dense mask s | flex mask s | dense fwd s | flex fwd s | dense fwd+bwd s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['parameters'] / 1e6:.2f}M | {r['query_rows']} x {r['context_rows']} | "
-                     f"{r['dense_mask_s']:.3f} | {r['flex_mask_s']:.3f} | {r['dense_forward_s']:.3f} | "
-                     f"{r['flex_forward_s']:.3f} | {r['dense_forward_backward_s']:.3f} |")
+        lines.append(
+            f"| {r['layout']} | {r['parameters'] / 1e6:.2f}M | {r['query_rows']} x {r['context_rows']} | "
+            f"{r['dense_mask_s']:.3f} | {r['flex_mask_s']:.3f} | {r['dense_forward_s']:.3f} | "
+            f"{r['flex_forward_s']:.3f} | {r['dense_forward_backward_s']:.3f} |"
+        )
     (RESULTS / "drafter.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

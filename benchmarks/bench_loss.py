@@ -75,8 +75,14 @@ def worker(variant: str, n: int, h: int, v: int, reps: int) -> dict:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
         # beta=0: forward KL(teacher || student); hard/soft weights = our (1-a) CE + a KL.
-        fn = LigerFusedLinearJSDLoss(weight_hard_loss=1 - TERMS["kl_weight"], weight_soft_loss=TERMS["kl_weight"],
-                                     beta=0.0, temperature=TERMS["temperature"], compiled=False, chunk_size=CHUNK)
+        fn = LigerFusedLinearJSDLoss(
+            weight_hard_loss=1 - TERMS["kl_weight"],
+            weight_soft_loss=TERMS["kl_weight"],
+            beta=0.0,
+            temperature=TERMS["temperature"],
+            compiled=False,
+            chunk_size=CHUNK,
+        )
 
         def step():
             fn(hs, w_head, ht, w_head, labels).backward()
@@ -172,9 +178,11 @@ def main() -> None:
                 predicted = ref_bytes_per_logit * n * v
                 row["predicted_peak_bytes"] = predicted
                 if predicted > 0.7 * MACHINE_BYTES:
-                    row["skipped"] = (f"predicted peak {predicted / 1e9:.1f} GB ({ref_bytes_per_logit:.1f} bytes per "
-                                      f"logit, measured at the first shape) exceeds 70% of this machine's "
-                                      f"{MACHINE_BYTES / 1e9:.1f} GB; one fp32 [N, V] tensor alone is {n * v * 4 / 1e9:.1f} GB")
+                    row["skipped"] = (
+                        f"predicted peak {predicted / 1e9:.1f} GB ({ref_bytes_per_logit:.1f} bytes per "
+                        f"logit, measured at the first shape) exceeds 70% of this machine's "
+                        f"{MACHINE_BYTES / 1e9:.1f} GB; one fp32 [N, V] tensor alone is {n * v * 4 / 1e9:.1f} GB"
+                    )
             if "skipped" not in row:
                 print(f"N={n} H={h} V={v} {variant} ...", flush=True)
                 row.update(run_worker(variant, n, h, v, reps, timeout=1800))
@@ -187,41 +195,60 @@ def main() -> None:
             print("   ", {k: row[k] for k in row if k not in ("N", "H", "V")}, flush=True)
 
     RESULTS.mkdir(exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": 2,
-            "torch": torch.__version__, "chunk": CHUNK, "terms": TERMS, "date": time.strftime("%Y-%m-%d"),
-            "command": "python benchmarks/bench_loss.py" + (" --quick" if args.quick else "")}
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": 2,
+        "torch": torch.__version__,
+        "chunk": CHUNK,
+        "terms": TERMS,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/bench_loss.py" + (" --quick" if args.quick else ""),
+    }
     (RESULTS / "loss.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     (RESULTS / "loss.md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# Draft loss benchmark ({meta['date']}, {meta['cpus']} CPUs, {meta['threads']} threads, torch {meta['torch']})",
-             "", f"`{meta['command']}`; fp32, chunk {meta['chunk']} rows, CE + 15% KL (T=1), `fused+cap` adds CAP 0.1.",
-             "", "| N | H | V | variant | fwd+bwd s | peak extra MB | formula MB | GEMM eff. | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Draft loss benchmark ({meta['date']}, {meta['cpus']} CPUs, {meta['threads']} threads, torch {meta['torch']})",
+        "",
+        f"`{meta['command']}`; fp32, chunk {meta['chunk']} rows, CE + 15% KL (T=1), `fused+cap` adds CAP 0.1.",
+        "",
+        "| N | H | V | variant | fwd+bwd s | peak extra MB | formula MB | GEMM eff. | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         t = f"{r['time_s']:.3f}" if "time_s" in r else "-"
         mem = f"{r['peak_extra_bytes'] / 2**20:.0f}" if "peak_extra_bytes" in r else "-"
         eff = f"{r['gemm_efficiency']:.0%}" if "gemm_efficiency" in r else "-"
-        lines.append(f"| {r['N']} | {r['H']} | {r['V']} | {r['variant']} | {t} | {mem} | "
-                     f"{r['formula_bytes'] / 2**20:.0f} | {eff} | {r.get('skipped', '')} |")
+        lines.append(
+            f"| {r['N']} | {r['H']} | {r['V']} | {r['variant']} | {t} | {mem} | "
+            f"{r['formula_bytes'] / 2**20:.0f} | {eff} | {r.get('skipped', '')} |"
+        )
     lines += ["", "Ratios measured in this run (targets from the issue in brackets):", ""]
     for n, h, v in sorted({(r["N"], r["H"], r["V"]) for r in rows}, key=lambda x: x[0] * x[2]):
         by = {r["variant"]: r for r in rows if (r["N"], r["H"], r["V"]) == (n, h, v)}
         fused = by.get("fused", {})
         if "time_s" not in fused:
             continue
-        parts = [f"- N={n} V={v}: fused peak extra {fused['peak_extra_bytes'] / fused['formula_bytes']:.2f}x the "
-                 f"formula N*H*4 + c*V*18 [<= 1.2x]; GEMM efficiency {fused['gemm_efficiency']:.0%} [>= 75%]"]
+        parts = [
+            f"- N={n} V={v}: fused peak extra {fused['peak_extra_bytes'] / fused['formula_bytes']:.2f}x the "
+            f"formula N*H*4 + c*V*18 [<= 1.2x]; GEMM efficiency {fused['gemm_efficiency']:.0%} [>= 75%]"
+        ]
         for other in ("reference", "liger"):
             o = by.get(other, {})
             if "time_s" in o:
-                parts.append(f"{fused_speed(fused, o)} faster than {other} [>= 1.5x at the first shape], "
-                             f"{o['peak_extra_bytes'] / max(fused['peak_extra_bytes'], 1):.1f}x less memory")
+                parts.append(
+                    f"{fused_speed(fused, o)} faster than {other} [>= 1.5x at the first shape], "
+                    f"{o['peak_extra_bytes'] / max(fused['peak_extra_bytes'], 1):.1f}x less memory"
+                )
             elif "predicted_peak_bytes" in o:
-                parts.append(f"{o['predicted_peak_bytes'] / max(fused['peak_extra_bytes'], 1):.0f}x less memory than "
-                             f"the {other}'s predicted peak [>= 10x at the second shape]")
+                parts.append(
+                    f"{o['predicted_peak_bytes'] / max(fused['peak_extra_bytes'], 1):.0f}x less memory than "
+                    f"the {other}'s predicted peak [>= 10x at the second shape]"
+                )
         lines.append("; ".join(parts) + ".")
     return "\n".join(lines) + "\n"
 

@@ -8,8 +8,9 @@ import yaml
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,10 @@ def test_config_command_prints_resolved_yaml(tmp_path):
 def test_presets_and_keys_listing():
     presets = run_cli("presets")
     assert presets.returncode == 0
-    assert {line.split()[0] for line in presets.stdout.splitlines()} >= {"tiny-demo", "baseline-v6", "ddtree-experiment"}
+    assert {line.split()[0] for line in presets.stdout.splitlines()} >= {
+        "tiny-demo",
+        "baseline-v6",
+        "ddtree-experiment",
+    }
     keys = run_cli("config", "--keys").stdout.split()
     assert "train.lr" in keys and "drafter.block_size" in keys and "train" not in keys

@@ -25,8 +25,16 @@ def test_defaults_file_then_override_precedence(tmp_path):
 
 
 def test_override_values_are_typed(tmp_path):
-    cfg = load_config([], ["drafter.sliding_window_layers=[0, 2]", "drafter.noise=gaussian",
-                           "target.layer_ids=null", "name=123", "train.dtype=float32"])
+    cfg = load_config(
+        [],
+        [
+            "drafter.sliding_window_layers=[0, 2]",
+            "drafter.noise=gaussian",
+            "target.layer_ids=null",
+            "name=123",
+            "train.dtype=float32",
+        ],
+    )
     assert cfg.drafter.sliding_window_layers == [0, 2]
     assert cfg.drafter.noise == "gaussian"
     assert cfg.target.layer_ids is None
@@ -50,7 +58,9 @@ def test_unknown_key_names_it_and_suggests(overrides, expected):
 
 def test_unknown_key_in_file_names_file(tmp_path):
     path = write(tmp_path, "run.yaml", {"loss": {"kl_wieght": 0.1}})
-    with pytest.raises(ConfigError, match=r"unknown config key 'loss.kl_wieght' \(from .*run.yaml\); did you mean 'loss.kl_weight'\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'loss.kl_wieght' \(from .*run.yaml\); did you mean 'loss.kl_weight'\?"
+    ):
         load_config([path])
 
 

@@ -8,10 +8,9 @@ import random
 import pytest
 import torch
 
-from dflash_trainer.anchors import doc_ids_from_positions
 from dflash_trainer.data.chat import tokenize_conversation
 from dflash_trainer.data.documents import DataReport, Document, load_documents
-from dflash_trainer.data.packing import pack_documents
+from dflash_trainer.data.packing import doc_ids_from_positions, pack_documents
 from dflash_trainer.errors import UserError
 from dflash_trainer.tiny_target import tiny_target_path
 
@@ -169,8 +168,12 @@ def test_multi_turn_masks_every_assistant_turn_and_nothing_else(tok):
 
 
 def test_llama3_template_trims_and_masks_eot(llama3_tok):
-    messages = [{"role": "user", "content": "Sum a list."}, {"role": "assistant", "content": "  return sum(xs)\n"},
-                {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You're welcome."}]
+    messages = [
+        {"role": "user", "content": "Sum a list."},
+        {"role": "assistant", "content": "  return sum(xs)\n"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You're welcome."},
+    ]
     ids, mask = tokenize_conversation(llama3_tok, messages)
     eot = llama3_tok.convert_tokens_to_ids("<|eot_id|>")
     assert ids[0] == llama3_tok.convert_tokens_to_ids("<|begin_of_text|>")  # the template's own BOS, once
@@ -183,8 +186,12 @@ def test_llama3_template_trims_and_masks_eot(llama3_tok):
 
 
 def test_qwen25_template_with_default_system_prompt_and_tool_turn(qwen25_tok):
-    messages = [{"role": "user", "content": "List the files."}, {"role": "assistant", "content": "Calling ls."},
-                {"role": "tool", "content": "a.py b.py"}, {"role": "assistant", "content": "There are two files."}]
+    messages = [
+        {"role": "user", "content": "List the files."},
+        {"role": "assistant", "content": "Calling ls."},
+        {"role": "tool", "content": "a.py b.py"},
+        {"role": "assistant", "content": "There are two files."},
+    ]
     ids, mask = tokenize_conversation(qwen25_tok, messages)
     text = qwen25_tok.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
@@ -219,8 +226,12 @@ def write_jsonl(path, lines):
 
 def test_messages_sharegpt_and_pretokenized_records(tmp_path, tok):
     messages = CONVERSATION[1:3]
-    sharegpt = {"conversations": [{"from": "human", "value": messages[0]["content"]},
-                                  {"from": "gpt", "value": messages[1]["content"]}]}
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": messages[0]["content"]},
+            {"from": "gpt", "value": messages[1]["content"]},
+        ]
+    }
     pretok = {"input_ids": [1, 50, 60, 70, 80, 90, 2], "loss_mask": [0, 0, 1, 1, 1, 1, 1], "id": "x"}
     a = write_jsonl(tmp_path / "a.jsonl", [{"messages": messages}, "", sharegpt])
     b = write_jsonl(tmp_path / "b.jsonl", [pretok])
@@ -253,19 +264,35 @@ def test_every_bad_record_kind_is_counted_with_file_and_line(tmp_path, qwen25_to
     ]
     path = write_jsonl(tmp_path / "mixed.jsonl", lines)
     report_path = tmp_path / "out" / "data_report.json"
-    docs, report = load_documents([path], qwen25_tok, vocab_size=VOCAB, min_tokens=4, max_bad_fraction=0.9,
-                                  report_path=report_path)
+    docs, report = load_documents(
+        [path], qwen25_tok, vocab_size=VOCAB, min_tokens=4, max_bad_fraction=0.9, report_path=report_path
+    )
     assert [d.line for d in docs] == [1, 12]
     expected = {
-        2: "invalid JSON", 3: "empty conversation", 4: "unknown role", 5: "no assistant turn",
-        6: "no assistant tokens", 7: "too short", 8: "too short", 9: "token id out of range",
-        10: "token id out of range", 11: "template error",
+        2: "invalid JSON",
+        3: "empty conversation",
+        4: "unknown role",
+        5: "no assistant turn",
+        6: "no assistant tokens",
+        7: "too short",
+        8: "too short",
+        9: "token id out of range",
+        10: "token id out of range",
+        11: "template error",
     }
     assert [(f, n) for f, n, _ in report.bad] == [(path, n) for n in expected]
-    for (_, n, reason) in report.bad:
+    for _, n, reason in report.bad:
         assert reason.startswith(expected[n]), (n, reason)
-    assert report.counts == {"too short": 2, "token id out of range": 2, "invalid JSON": 1, "empty conversation": 1,
-                             "unknown role": 1, "no assistant turn": 1, "no assistant tokens": 1, "template error": 1}
+    assert report.counts == {
+        "too short": 2,
+        "token id out of range": 2,
+        "invalid JSON": 1,
+        "empty conversation": 1,
+        "unknown role": 1,
+        "no assistant turn": 1,
+        "no assistant tokens": 1,
+        "template error": 1,
+    }
     on_disk = json.loads(report_path.read_text())
     assert on_disk["n_records"] == 12 and on_disk["n_documents"] == 2 and on_disk["n_bad"] == 10
     assert on_disk["counts"] == report.counts
@@ -305,8 +332,9 @@ def test_empty_data_set_is_a_user_error(tmp_path, tok):
         load_documents([empty], tok, vocab_size=VOCAB, min_tokens=4, max_bad_fraction=1.0)
     all_bad = write_jsonl(tmp_path / "bad.jsonl", ["nope"])
     with pytest.raises(UserError, match="no usable document among 1 records"):
-        load_documents([all_bad], tok, vocab_size=VOCAB, min_tokens=4, max_bad_fraction=1.0,
-                       report_path=tmp_path / "r.json")
+        load_documents(
+            [all_bad], tok, vocab_size=VOCAB, min_tokens=4, max_bad_fraction=1.0, report_path=tmp_path / "r.json"
+        )
     assert (tmp_path / "r.json").is_file()
 
 
@@ -331,8 +359,9 @@ def test_report_write_is_atomic_and_replaces(tmp_path):
 
 
 def doc(ids, mask=None, line=0):
-    return Document(input_ids=list(ids), loss_mask=list(mask if mask is not None else [1] * len(ids)),
-                    source="mem", line=line)
+    return Document(
+        input_ids=list(ids), loss_mask=list(mask if mask is not None else [1] * len(ids)), source="mem", line=line
+    )
 
 
 def segments(row):
@@ -392,19 +421,22 @@ def test_packing_invariants_on_random_documents():
         docs.append(doc([rng.randint(1, VOCAB - 1) for _ in range(n)], [rng.randint(0, 1) for _ in range(n)], line=i))
     rows = pack_documents(docs, seq_len=seq_len, pad_token_id=pad)
 
-    pieces = [(d.input_ids[s:s + seq_len], d.loss_mask[s:s + seq_len]) for d in docs
-              for s in range(0, len(d.input_ids), seq_len)]
+    pieces = [
+        (d.input_ids[s : s + seq_len], d.loss_mask[s : s + seq_len])
+        for d in docs
+        for s in range(0, len(d.input_ids), seq_len)
+    ]
     found, pad_tokens = [], 0
     for r in rows:
         for t in (r.input_ids, r.position_ids, r.loss_mask):
             assert t.shape == (seq_len,) and t.dtype == torch.long
         segs = segments(r)
-        for ids, pos, mask in segs:
+        for ids, pos, _mask in segs:
             assert pos == list(range(len(ids)))  # every document restarts at 0 and counts up
         # Real tokens never equal pad (ids >= 1 above), so the padding is recognisable: the last segment only.
         real = [s for s in segs if any(t != pad for t in s[0])]
         padding = [s for s in segs if all(t == pad for t in s[0])]
-        assert segs[:len(real)] == real and len(padding) <= 1
+        assert segs[: len(real)] == real and len(padding) <= 1
         for ids, _, mask in padding:
             assert set(mask) == {0}
             pad_tokens += len(ids)
@@ -419,11 +451,14 @@ def test_packing_invariants_on_random_documents():
     for p, r in zip(pieces, where):
         expected_rows[r].append(p)
     assert [[(ids, mask) for ids, _, mask in segments(r) if any(t != pad for t in ids)] for r in rows] == [
-        [(list(i), list(m)) for i, m in er] for er in expected_rows]
+        [(list(i), list(m)) for i, m in er] for er in expected_rows
+    ]
     # Deterministic.
     again = pack_documents(docs, seq_len=seq_len, pad_token_id=pad)
-    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
-               for a, b in zip(rows, again))
+    assert all(
+        torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
+        for a, b in zip(rows, again)
+    )
 
 
 def test_packing_rejects_malformed_documents():
@@ -437,22 +472,27 @@ def test_packing_rejects_malformed_documents():
 def test_loaded_documents_pack_into_rows_with_the_same_anchors(tmp_path, tok):
     # Packing must neither create anchors across documents nor lose any: the valid anchors of the rows
     # are exactly those of each document on its own.
-    from dflash_trainer.anchors import valid_anchor_positions
+    from dflash_trainer.data.blocks import valid_anchor_positions
 
     block = 4
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]},
-                                              {"messages": CONVERSATION[3:5]}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]}, {"messages": CONVERSATION[3:5]}],
+    )
     docs, _ = load_documents([path], tok, vocab_size=VOCAB, min_tokens=block, max_bad_fraction=0.0)
     assert max(len(d.input_ids) for d in docs) <= 96  # no splitting, so anchors per document are comparable
     rows = pack_documents(docs, seq_len=96, pad_token_id=tok.pad_token_id)
     assert len(rows) >= 2  # several documents share a row or spill into the next
     per_doc = sorted(
-        tuple(d.input_ids[p:p + block])
+        tuple(d.input_ids[p : p + block])
         for d in docs
-        for p in valid_anchor_positions(torch.tensor(d.loss_mask), torch.zeros(len(d.input_ids), dtype=torch.long),
-                                        block).tolist())
+        for p in valid_anchor_positions(
+            torch.tensor(d.loss_mask), torch.zeros(len(d.input_ids), dtype=torch.long), block
+        ).tolist()
+    )
     per_row = sorted(
-        tuple(r.input_ids[p:p + block].tolist())
+        tuple(r.input_ids[p : p + block].tolist())
         for r in rows
-        for p in valid_anchor_positions(r.loss_mask, doc_ids_from_positions(r.position_ids), block).tolist())
+        for p in valid_anchor_positions(r.loss_mask, doc_ids_from_positions(r.position_ids), block).tolist()
+    )
     assert per_row == per_doc and per_doc

@@ -6,16 +6,35 @@ import subprocess
 import sys
 
 from dflash_trainer.config import load_config
-from dflash_trainer.train import verify_checkpoint
+from dflash_trainer.training.checkpoint import verify_checkpoint
 
 
 def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo-run"
     result = subprocess.run(
-        [sys.executable, "-m", "dflash_trainer.cli", "demo", "--set", f"output_dir={out}", "--set", "train.max_steps=12",
-         "--set", "train.eval_every=12", "--set", "train.save_every=12", "--set", "data.max_eval_rows=2",
-         "--prompts-per-file", "1", "--max-new-tokens", "48"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "dflash_trainer.cli",
+            "demo",
+            "--set",
+            f"output_dir={out}",
+            "--set",
+            "train.max_steps=12",
+            "--set",
+            "train.eval_every=12",
+            "--set",
+            "train.save_every=12",
+            "--set",
+            "data.max_eval_rows=2",
+            "--prompts-per-file",
+            "1",
+            "--max-new-tokens",
+            "48",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr
     assert "[5/5] trained" in result.stdout and "dflash-train export --format zlab" in result.stdout

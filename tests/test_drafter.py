@@ -6,19 +6,25 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_trainer.anchors import build_blocks, doc_ids_from_positions, sample_anchors, valid_anchor_positions
-from dflash_trainer.attention import MaskSpec, dense_mask
 from dflash_trainer.config import DrafterConfig
-from dflash_trainer.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
+from dflash_trainer.data.blocks import build_blocks, sample_anchors, valid_anchor_positions
+from dflash_trainer.data.packing import doc_ids_from_positions
 from dflash_trainer.errors import UserError
+from dflash_trainer.model.attention import MaskSpec, dense_mask
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 F64 = torch.float64
 
 
 def make_drafter(target, *, num_layers=3, block_size=4, sliding=(), window=3, causal=False, k=5, dtype=F64):
-    cfg = DrafterConfig(num_layers=num_layers, block_size=block_size, sliding_window_layers=list(sliding),
-                        sliding_window=window, causal_in_block_sliding=causal)
+    cfg = DrafterConfig(
+        num_layers=num_layers,
+        block_size=block_size,
+        sliding_window_layers=list(sliding),
+        sliding_window=window,
+        causal_in_block_sliding=causal,
+    )
     spec = DrafterSpec.from_target(target.config, cfg, num_features=k, mask_token_id=3)
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec, target.get_input_embeddings(), target.get_output_embeddings().weight).to(dtype)
@@ -30,8 +36,15 @@ def make_drafter(target, *, num_layers=3, block_size=4, sliding=(), window=3, ca
 @pytest.fixture(scope="module")
 def small_target():
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=8, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=4)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+    )
     return Qwen3ForCausalLM(cfg).double().eval()
 
 
@@ -67,14 +80,27 @@ def test_training_layout_matches_per_block_reference_and_flex(small_target, vari
     ids, positions, loss_mask, features = packed_row()
     doc = doc_ids_from_positions(positions)
     anchors = sample_anchors(loss_mask, doc, 4, 6, torch.Generator().manual_seed(3))
-    blocks = build_blocks(ids, positions, loss_mask, anchors, block_size=4, mask_token_id=3, gamma=4.0,
-                          num_blocks=anchors.numel() + 2)  # two padding blocks
+    blocks = build_blocks(
+        ids, positions, loss_mask, anchors, block_size=4, mask_token_id=3, gamma=4.0, num_blocks=anchors.numel() + 2
+    )  # two padding blocks
     assert anchors.numel() == 6
     with torch.no_grad():  # FlexAttention has no backward on CPU
-        dense = drafter(blocks.input_ids, blocks.position_ids, features, positions,
-                        drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"), "dense")
-        flex = drafter(blocks.input_ids, blocks.position_ids, features, positions,
-                       drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, "flex"), "flex")
+        dense = drafter(
+            blocks.input_ids,
+            blocks.position_ids,
+            features,
+            positions,
+            drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"),
+            "dense",
+        )
+        flex = drafter(
+            blocks.input_ids,
+            blocks.position_ids,
+            features,
+            positions,
+            drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, "flex"),
+            "flex",
+        )
     dense, flex = dense.view(-1, 4, 16), flex.view(-1, 4, 16)
     ref = per_block_reference(drafter, blocks, features, positions)
     for b, r in enumerate(ref):
@@ -92,12 +118,22 @@ def test_sliding_window_really_limits_context(small_target):
     outs = {}
     for sliding in ((), (0, 1, 2)):
         d = make_drafter(small_target, sliding=sliding, window=3)
-        outs[sliding] = d(blocks.input_ids, blocks.position_ids, features, positions,
-                          d.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"))
+        outs[sliding] = d(
+            blocks.input_ids,
+            blocks.position_ids,
+            features,
+            positions,
+            d.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"),
+        )
         changed = features.clone()
         changed[5] += 10.0  # a row far outside the window of 3 before anchor 20
-        again = d(blocks.input_ids, blocks.position_ids, changed, positions,
-                  d.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"))
+        again = d(
+            blocks.input_ids,
+            blocks.position_ids,
+            changed,
+            positions,
+            d.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"),
+        )
         assert torch.equal(again, outs[sliding]) == bool(sliding)
 
 
@@ -113,7 +149,7 @@ def test_dense_mask_rule():
 
 
 def test_train_serve_parity_on_a_real_tiny_target_row():
-    from dflash_trainer.target import TargetModel
+    from dflash_trainer.model.target import TargetModel
     from dflash_trainer.tiny_target import load_tiny_target
     from dflash_trainer.tiny_target.corpus import load_split
 
@@ -128,12 +164,18 @@ def test_train_serve_parity_on_a_real_tiny_target_row():
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight).eval()
     anchors = torch.tensor([5, 40, 77, 120, 151])
-    blocks = build_blocks(ids, positions, torch.ones_like(ids), anchors, block_size=8, mask_token_id=spec.mask_token_id,
-                          gamma=4.0)
+    blocks = build_blocks(
+        ids, positions, torch.ones_like(ids), anchors, block_size=8, mask_token_id=spec.mask_token_id, gamma=4.0
+    )
     doc = doc_ids_from_positions(positions)
     with torch.no_grad():
-        train_h = drafter(blocks.input_ids, blocks.position_ids, feats.context, positions,
-                          drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense")).view(5, 8, -1)
+        train_h = drafter(
+            blocks.input_ids,
+            blocks.position_ids,
+            feats.context,
+            positions,
+            drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, "dense"),
+        ).view(5, 8, -1)
     for b, a in enumerate(anchors.tolist()):
         cache = drafter.context_cache(feats.context[:a], positions[:a])  # as a server caches the prefix
         serve_h = drafter.draft_block(int(ids[a]), a, cache)
@@ -160,8 +202,9 @@ def test_anchors_and_blocks():
     assert not torch.equal(first, second)  # fresh every step
     assert torch.equal(first, sample_anchors(loss_mask, doc, 4, 4, torch.Generator().manual_seed(0)))  # seeded
     ids = torch.arange(100, 116)
-    blocks = build_blocks(ids, positions, loss_mask, torch.tensor([6]), block_size=4, mask_token_id=3, gamma=4.0,
-                          num_blocks=3)
+    blocks = build_blocks(
+        ids, positions, loss_mask, torch.tensor([6]), block_size=4, mask_token_id=3, gamma=4.0, num_blocks=3
+    )
     assert blocks.input_ids[0].tolist() == [106, 3, 3, 3]
     assert blocks.position_ids[0].tolist() == [0, 1, 2, 3]
     assert blocks.labels[0].tolist() == [0, 107, 0, 109]  # slot 0 and the loss_mask-0 slot carry no label
@@ -198,13 +241,18 @@ def test_bad_input_errors(small_target):
 
     with pytest.raises(UserError, match="no mask token"):
         resolve_mask_token_id(NoMask(), None, 64)
-    with pytest.raises(UserError, match="mask token id 99 from drafter.mask_token_id is outside the target vocabulary 0..63"):
+    with pytest.raises(
+        UserError, match="mask token id 99 from drafter.mask_token_id is outside the target vocabulary 0..63"
+    ):
         resolve_mask_token_id(None, 99, 64)
     drafter = make_drafter(small_target)
-    with pytest.raises(UserError, match="context features have width 48, the drafter expects 5 layers x hidden 16 = 80"):
+    with pytest.raises(
+        UserError, match="context features have width 48, the drafter expects 5 layers x hidden 16 = 80"
+    ):
         drafter.context(torch.zeros(3, 48, dtype=F64))
-    spec = DrafterSpec(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=64,
-                       block_size=1)
+    spec = DrafterSpec(
+        hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=64, block_size=1
+    )
     with pytest.raises(UserError, match="block_size must be >= 2, got 1"):
         DFlashDrafter(spec, small_target.get_input_embeddings(), small_target.get_output_embeddings().weight)
     wrong_hidden = DrafterSpec(**{**spec.__dict__, "block_size": 4, "hidden_size": 32})

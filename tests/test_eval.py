@@ -10,34 +10,54 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_trainer.anchors import doc_ids_from_positions, valid_anchor_positions
-from dflash_trainer.checkpoint import load_drafter, save_drafter
-from dflash_trainer.config import TargetConfig, load_config
-from dflash_trainer.data.packing import PackedRow
-from dflash_trainer.data.records import iter_records
 from dflash_trainer.cli import main
-from dflash_trainer.evaluate import EvalInputError, acceptance_report, unique_labels
-from dflash_trainer.generate import regenerate_records
-from dflash_trainer.run_train import prepare
-from dflash_trainer.target import TargetModel
-from dflash_trainer.target_loading import load_target
+from dflash_trainer.commands.eval import unique_labels
+from dflash_trainer.config import TargetConfig, load_config
+from dflash_trainer.data.blocks import valid_anchor_positions
+from dflash_trainer.data.packing import PackedRow, doc_ids_from_positions
+from dflash_trainer.data.records import iter_records
+from dflash_trainer.inference.acceptance import EvalInputError, acceptance_report
+from dflash_trainer.inference.regenerate import regenerate_records
+from dflash_trainer.model.loading import load_target
+from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.train import Trainer, build_drafter, teacher_forced_acceptance
+from dflash_trainer.training.checkpoint import load_drafter, save_drafter
+from dflash_trainer.training.setup import prepare
+from dflash_trainer.training.trainer import Trainer, build_drafter
 
 B = 4
-SMALL = ["drafter.num_layers=1", f"drafter.block_size={B}", "data.seq_len=256", "data.max_anchors=32",
-         "train.lr=3e-3", "train.max_steps=100", "train.warmup_ratio=0.05"]
+SMALL = [
+    "drafter.num_layers=1",
+    f"drafter.block_size={B}",
+    "data.seq_len=256",
+    "data.max_anchors=32",
+    "train.lr=3e-3",
+    "train.max_steps=100",
+    "train.warmup_ratio=0.05",
+]
 TRAIN_STEPS = 100
 
 
 def write_regenerated(path, model, tokenizer, n=8, new_tokens=64):
     """Chat records whose answers are the tiny target's own greedy continuations of stdlib code."""
     prompts = path.with_suffix(".prompts.jsonl")
-    prompts.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"Continue `{f.relpath}`:\n{f.text[:300]}"},
-        {"role": "assistant", "content": ""}]}) + "\n" for f in load_split("train", limit=n)))
-    records = regenerate_records(list(iter_records([str(prompts)])), model, tokenizer, max_new_tokens=new_tokens,
-                                 batch_size=n, progress=False)
+    prompts.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Continue `{f.relpath}`:\n{f.text[:300]}"},
+                        {"role": "assistant", "content": ""},
+                    ]
+                }
+            )
+            + "\n"
+            for f in load_split("train", limit=n)
+        )
+    )
+    records = regenerate_records(
+        list(iter_records([str(prompts)])), model, tokenizer, max_new_tokens=new_tokens, batch_size=n, progress=False
+    )
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -52,24 +72,38 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     model, tok, _ = load_target(TargetConfig(path="tiny", dtype="float32"))
     data = write_regenerated(tmp / "data.jsonl", model, tok)
-    cfg = load_config(["tiny-demo"], [*SMALL, f"data.train_files=[{data}]", f"data.eval_files=[{data}]",
-                                      f"output_dir={tmp / 'run'}"])
+    cfg = load_config(
+        ["tiny-demo"], [*SMALL, f"data.train_files=[{data}]", f"data.eval_files=[{data}]", f"output_dir={tmp / 'run'}"]
+    )
     target, tok, train_rows, eval_rows, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=tmp / "run", target_path="tiny", progress=False)
     for _ in range(TRAIN_STEPS):
         trainer.train_step()
-    trained = save_drafter(trainer.drafter, tmp / "a" / "ckpt", target=target, target_path="tiny",
-                           extra={"step": TRAIN_STEPS})
+    trained = save_drafter(
+        trainer.drafter, tmp / "a" / "ckpt", target=target, target_path="tiny", extra={"step": TRAIN_STEPS}
+    )
     fresh = save_drafter(build_drafter(cfg, target, tok), tmp / "b" / "ckpt", target=target, target_path="tiny")
-    return SimpleNamespace(tmp=tmp, cfg=cfg, target=target, drafter=trainer.drafter.eval(), rows=eval_rows,
-                           data=data, trained=trained, fresh=fresh)
+    return SimpleNamespace(
+        tmp=tmp,
+        cfg=cfg,
+        target=target,
+        drafter=trainer.drafter.eval(),
+        rows=eval_rows,
+        data=data,
+        trained=trained,
+        fresh=fresh,
+    )
 
 
 def test_chain_tau_equals_training_eval(setup):
-    ref = teacher_forced_acceptance(setup.cfg, setup.target, setup.drafter, setup.rows, max_blocks_per_row=16)
+    # What training's periodic evaluation computes: chain only, the same scorer.
+    ref = acceptance_report(
+        setup.target, setup.drafter, setup.rows, budgets=(), max_blocks_per_row=16, decode_path=False
+    )
     for chunk in (1 << 24, 1):  # all blocks of a row in one projection, and one block at a time
-        rep = acceptance_report(setup.target, setup.drafter, setup.rows, budgets=(4,), max_blocks_per_row=16,
-                                max_logit_elements=chunk)
+        rep = acceptance_report(
+            setup.target, setup.drafter, setup.rows, budgets=(4,), max_blocks_per_row=16, max_logit_elements=chunk
+        )
         assert rep["blocks"] == ref["blocks"] > 50
         assert rep["tau"] == pytest.approx(ref["tau"], abs=1e-12)
         assert rep["slot_acceptance"] == pytest.approx(ref["slot_acceptance"], abs=1e-6)
@@ -78,8 +112,9 @@ def test_chain_tau_equals_training_eval(setup):
 
 def test_report_is_self_consistent(setup):
     budgets = [1, 2, 4, 16, 64]
-    rep = acceptance_report(setup.target, setup.drafter, setup.rows, budgets=[64, 1, 16, 4, 2, 16],
-                            max_blocks_per_row=16)
+    rep = acceptance_report(
+        setup.target, setup.drafter, setup.rows, budgets=[64, 1, 16, 4, 2, 16], max_blocks_per_row=16
+    )
     n, hist = rep["blocks"], rep["accepted_histogram"]
     slot, cond, reach, tau = rep["slot_acceptance"], rep["conditional_acceptance"], rep["reach"], rep["tau"]
     assert rep["budgets"] == budgets  # sorted, duplicates dropped
@@ -105,8 +140,11 @@ def _brute_force_accepted(log_probs, greedy, budget):
     gives a more probable prefix of the same depth), so enumerating those is exhaustive."""
     depth = log_probs.shape[0]
     top = [log_probs[d].topk(budget).indices.tolist() for d in range(depth)]
-    scored = [(sum(log_probs[d, t].item() for d, t in enumerate(p)), p)
-              for n in range(1, depth + 1) for p in itertools.product(*top[:n])]
+    scored = [
+        (sum(log_probs[d, t].item() for d, t in enumerate(p)), p)
+        for n in range(1, depth + 1)
+        for p in itertools.product(*top[:n])
+    ]
     chosen = {p for _, p in sorted(scored, key=lambda s: -s[0])[:budget]}
     n = 0
     while n < depth and tuple(greedy[: n + 1]) in chosen:
@@ -123,8 +161,13 @@ def test_matches_one_block_decoding_and_brute_force_tree(setup):
     rows = []
     for row in setup.rows[:2]:  # the last 48 tokens of each row's first document (its answer), as a row
         end = int((doc_ids_from_positions(row.position_ids) == 0).sum())
-        rows.append(PackedRow(input_ids=row.input_ids[end - 48:end], position_ids=torch.arange(48),
-                              loss_mask=row.loss_mask[end - 48:end]))
+        rows.append(
+            PackedRow(
+                input_ids=row.input_ids[end - 48 : end],
+                position_ids=torch.arange(48),
+                loss_mask=row.loss_mask[end - 48 : end],
+            )
+        )
     budgets = [1, 2, 3, 8]
     chain, trees = [], []
     with torch.no_grad():
@@ -134,7 +177,7 @@ def test_matches_one_block_decoding_and_brute_force_tree(setup):
             for a in valid_anchor_positions(row.loss_mask, torch.zeros(48, dtype=torch.long), B).tolist():
                 h = drafter.draft_block(int(row.input_ids[a]), a, drafter.context_cache(feats[:a], torch.arange(a)))
                 log_probs = torch.log_softmax(drafter.block_logits(h[1:]), -1)  # [B-1, V]
-                greedy = logits[a:a + B - 1].argmax(-1).tolist()  # slot k: the target's logits at a + k - 1
+                greedy = logits[a : a + B - 1].argmax(-1).tolist()  # slot k: the target's logits at a + k - 1
                 draft = log_probs.argmax(-1).tolist()
                 chain.append(next((k for k in range(B - 1) if draft[k] != greedy[k]), B - 1))
                 trees.append([_brute_force_accepted(log_probs, greedy, bud) for bud in budgets])
@@ -155,8 +198,11 @@ def test_bad_arguments_and_empty_input(setup):
         acceptance_report(*args, setup.rows, max_blocks_per_row=0)
     with pytest.raises(EvalInputError, match="the data set is empty"):
         acceptance_report(*args, [])
-    masked = PackedRow(input_ids=setup.rows[0].input_ids, position_ids=setup.rows[0].position_ids,
-                       loss_mask=torch.zeros_like(setup.rows[0].loss_mask))
+    masked = PackedRow(
+        input_ids=setup.rows[0].input_ids,
+        position_ids=setup.rows[0].position_ids,
+        loss_mask=torch.zeros_like(setup.rows[0].loss_mask),
+    )
     with pytest.raises(EvalInputError, match=f"no valid block of {B} tokens in 1 evaluation rows"):
         acceptance_report(*args, [masked])
 
@@ -169,10 +215,29 @@ def test_labels_tell_checkpoints_apart(tmp_path):
 def test_cli_compares_two_checkpoints(setup, tmp_path):
     out = tmp_path / "report"
     result = subprocess.run(
-        [sys.executable, "-m", "dflash_trainer.cli", "eval", str(setup.trained), str(setup.fresh),
-         "--data", str(setup.data), "--out", str(out), "--budgets", "2,8,32", "--max-blocks-per-row", "8",
-         "--set", "data.seq_len=128"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "dflash_trainer.cli",
+            "eval",
+            str(setup.trained),
+            str(setup.fresh),
+            "--data",
+            str(setup.data),
+            "--out",
+            str(out),
+            "--budgets",
+            "2,8,32",
+            "--max-blocks-per-row",
+            "8",
+            "--set",
+            "data.seq_len=128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
     assert [e["label"] for e in report["checkpoints"]] == ["a/ckpt", "b/ckpt"]
@@ -200,20 +265,23 @@ def _edit_checkpoint(src, dst, edit):
     return dst
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("hidden", "hidden size 128 != target's 256"),
-    ("vocab", "vocabulary 4096 != target's 8192"),
-    ("layer_ids", "layer ids [20] outside the target's 0..7"),
-    ("layer_count", "trained on a 16-layer target, this one has 8 layers"),
-    ("config_layer_ids", "trained on target layer ids [1, 2, 3, 4, 5], the config asks for [0, 1, 2, 3, 4]"),
-    ("block", "block size 1 < 2"),
-    ("budget", "--budgets must be integers >= 1, got '16,0'"),
-    ("max_blocks", "--max-blocks-per-row must be integers >= 1"),
-    ("empty_data", "no records in"),
-    ("no_block", "no usable document among 2 records"),
-    ("two_targets", "the checkpoints were trained for different targets"),
-    ("not_a_checkpoint", "is not a drafter checkpoint"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("hidden", "hidden size 128 != target's 256"),
+        ("vocab", "vocabulary 4096 != target's 8192"),
+        ("layer_ids", "layer ids [20] outside the target's 0..7"),
+        ("layer_count", "trained on a 16-layer target, this one has 8 layers"),
+        ("config_layer_ids", "trained on target layer ids [1, 2, 3, 4, 5], the config asks for [0, 1, 2, 3, 4]"),
+        ("block", "block size 1 < 2"),
+        ("budget", "--budgets must be integers >= 1, got '16,0'"),
+        ("max_blocks", "--max-blocks-per-row must be integers >= 1"),
+        ("empty_data", "no records in"),
+        ("no_block", "no usable document among 2 records"),
+        ("two_targets", "the checkpoints were trained for different targets"),
+        ("not_a_checkpoint", "is not a drafter checkpoint"),
+    ],
+)
 def test_bad_input_is_one_clear_line(setup, tmp_path, capsys, case, needle):
     ckpts, extra, data = [setup.trained], [], setup.data
     edits = {

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from dflash_trainer.checkpoint import load_drafter, save_drafter
 from dflash_trainer.config import DrafterConfig
-from dflash_trainer.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.errors import UserError
-from dflash_trainer.export import check_export, export_checkpoint, load_export
-from dflash_trainer.target import TargetModel
+from dflash_trainer.export.formats import check_export, export_checkpoint, load_export
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
+from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
+from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 
 ANCHORS = [9, 50, 101, 140]
 
@@ -54,8 +54,9 @@ def bf16_rounded(drafter):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_checkpoint_round_trip(setup):
@@ -73,10 +74,17 @@ def test_export_round_trips_through_our_loader(setup, fmt):
     cfg = json.loads((out / "config.json").read_text())
     if fmt == "zlab":
         assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
-        assert cfg["dflash_config"] == {"mask_token_id": setup["tok"].mask_token_id, "target_layer_ids": [1, 2, 3, 4, 5],
-                                        "causal_in_block_sliding": False, "target_model_path": "tiny"}
+        assert cfg["dflash_config"] == {
+            "mask_token_id": setup["tok"].mask_token_id,
+            "target_layer_ids": [1, 2, 3, 4, 5],
+            "causal_in_block_sliding": False,
+            "target_model_path": "tiny",
+        }
         assert cfg["num_target_layers"] == 8
-        assert cfg["layer_types"] == ["sliding_attention", "full_attention", "full_attention"] and cfg["sliding_window"] == 16
+        assert (
+            cfg["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
+            and cfg["sliding_window"] == 16
+        )
     else:
         assert cfg["speculators_model_type"] == "dflash"
         assert cfg["aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6]  # z-lab ids + 1
@@ -106,8 +114,11 @@ def test_zlab_export_loads_with_transformers_trust_remote_code(setup):
     for i, a in enumerate(ANCHORS):
         block = torch.tensor([int(setup["ids"][a])] + [mask_id] * 7)
         with torch.no_grad():
-            hidden = hf(noise_embedding=embed(block)[None], target_hidden=setup["feats"][None, :a],
-                        position_ids=torch.arange(a + 8)[None])
+            hidden = hf(
+                noise_embedding=embed(block)[None],
+                target_hidden=setup["feats"][None, :a],
+                position_ids=torch.arange(a + 8)[None],
+            )
         logits = hidden[0] @ head.T
         assert torch.allclose(logits, expected[i], atol=1e-4), f"anchor {a}"
 
@@ -133,7 +144,10 @@ def test_check_names_each_problem(setup, tmp_path):
 
 def test_mismatched_checkpoint_is_one_clear_error(setup):
     other = TargetModel(setup["target"].model, layer_ids=[1, 2, 3, 4, 6])
-    with pytest.raises(UserError, match=r"does not match the target: layer ids \[1, 2, 3, 4, 5\] != the target's hooked ids \[1, 2, 3, 4, 6\]"):
+    with pytest.raises(
+        UserError,
+        match=r"does not match the target: layer ids \[1, 2, 3, 4, 5\] != the target's hooked ids \[1, 2, 3, 4, 6\]",
+    ):
         load_drafter(setup["ckpt"], other)
     result = run_cli("export", "--format", "zlab", str(setup["root"] / "nothing"), str(setup["root"] / "x"))
     assert result.returncode == 2 and "is not a drafter checkpoint" in result.stderr

@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_trainer.commands.generate import add_generate_parser, run_generate
 from dflash_trainer.data.records import Record, iter_records
 from dflash_trainer.errors import UserError
-from dflash_trainer.generate import (
-    SKIP_EMPTY, SKIP_PRETOKENIZED, GenerationStats, Skipped, add_generate_parser, regenerate_records, run_generate,
+from dflash_trainer.inference.regenerate import (
+    SKIP_EMPTY,
+    SKIP_PRETOKENIZED,
+    GenerationStats,
+    Skipped,
+    regenerate_records,
 )
 from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
@@ -58,7 +63,7 @@ def plain_generate(model, tokenizer, messages: list[dict]) -> str:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        row = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        row = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
     end = next((i for i, t in enumerate(row) if t in EOS), len(row))
     return tokenizer.decode(row[:end], skip_special_tokens=True)
 
@@ -74,8 +79,11 @@ def test_greedy_equals_plain_generate(tiny, prompts):
     assert len(out) == 1
     expected = plain_generate(model, tokenizer, [{"role": "user", "content": prompts[0]}])
     assert expected and expected != "placeholder"
-    assert out[0] == {"id": "x1", "source": "a.jsonl:3",
-                      "messages": [{"role": "user", "content": prompts[0]}, {"role": "assistant", "content": expected}]}
+    assert out[0] == {
+        "id": "x1",
+        "source": "a.jsonl:3",
+        "messages": [{"role": "user", "content": prompts[0]}, {"role": "assistant", "content": expected}],
+    }
 
 
 def test_batched_equals_unbatched(tiny, prompts):
@@ -101,10 +109,18 @@ def test_multi_turn_prompts_hold_earlier_regenerated_turns(tiny, prompts):
 
     system, user1 = two_turns.messages[:2]
     first = plain_generate(model, tokenizer, [system, user1])
-    second = plain_generate(model, tokenizer, [system, user1, {"role": "assistant", "content": first},
-                                               {"role": "user", "content": follow_up}])
-    assert out[0]["messages"] == [system, user1, {"role": "assistant", "content": first},
-                                  {"role": "user", "content": follow_up}, {"role": "assistant", "content": second}]
+    second = plain_generate(
+        model,
+        tokenizer,
+        [system, user1, {"role": "assistant", "content": first}, {"role": "user", "content": follow_up}],
+    )
+    assert out[0]["messages"] == [
+        system,
+        user1,
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": follow_up},
+        {"role": "assistant", "content": second},
+    ]
     assert out[1]["messages"][1]["content"] == plain_generate(model, tokenizer, one_turn.messages[:1])
     assert two_turns.messages[2]["content"] == "old answer 1"  # the input record is not mutated
 
@@ -155,17 +171,32 @@ def write_jsonl(path: Path, lines: list) -> None:
 def test_cli_reports_bad_and_pretokenized_records(tmp_path, tiny, prompts):
     data = tmp_path / "data"
     data.mkdir()
-    write_jsonl(data / "a.jsonl", [
-        {"id": 1, "messages": [{"role": "user", "content": prompts[0]}, {"role": "assistant", "content": "x"}]},
-        "{not json",
-        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
-        "",  # blank lines are not records
-        {"id": 4, "conversations": [{"from": "human", "value": prompts[1]}, {"from": "gpt", "value": "y"}]},
-        {"messages": [{"role": "user", "content": "no answer"}]},
-    ])
+    write_jsonl(
+        data / "a.jsonl",
+        [
+            {"id": 1, "messages": [{"role": "user", "content": prompts[0]}, {"role": "assistant", "content": "x"}]},
+            "{not json",
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+            "",  # blank lines are not records
+            {"id": 4, "conversations": [{"from": "human", "value": prompts[1]}, {"from": "gpt", "value": "y"}]},
+            {"messages": [{"role": "user", "content": "no answer"}]},
+        ],
+    )
     out = tmp_path / "out.jsonl"
-    args = make_parser().parse_args(["generate", "--input", str(data), "--output", str(out), "--max-new-tokens",
-                                     str(NEW), "--batch-size", "2", "--no-progress"])
+    args = make_parser().parse_args(
+        [
+            "generate",
+            "--input",
+            str(data),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            str(NEW),
+            "--batch-size",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert run_generate(args) == 0
     assert not Path(f"{out}.partial").exists()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -187,23 +218,41 @@ def test_cli_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         run_generate(missing)
     (tmp_path / "in.jsonl").write_text("{}\n")
-    no_folder = parser.parse_args(["generate", "--input", str(tmp_path / "in.jsonl"),
-                                   "--output", str(tmp_path / "no" / "out.jsonl")])
+    no_folder = parser.parse_args(
+        ["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "no" / "out.jsonl")]
+    )
     with pytest.raises(UserError, match="output folder .* does not exist"):
         run_generate(no_folder)
 
 
 def test_resume_keeps_written_records_and_drops_a_torn_line(tmp_path, tiny, prompts):
     data = tmp_path / "in.jsonl"
-    write_jsonl(data, [{"id": i, "messages": [{"role": "user", "content": prompts[i]},
-                                              {"role": "assistant", "content": "old"}]} for i in range(3)])
+    write_jsonl(
+        data,
+        [
+            {"id": i, "messages": [{"role": "user", "content": prompts[i]}, {"role": "assistant", "content": "old"}]}
+            for i in range(3)
+        ],
+    )
     out = tmp_path / "out.jsonl"
     partial = Path(f"{out}.partial")
     kept = {"id": 0, "messages": [{"role": "user", "content": "KEPT"}], "source": f"./{data.relative_to(tmp_path)}:1"}
     # A kill mid-write leaves a last line without its newline; a relative spelling of the path still matches.
     partial.write_text(json.dumps(kept) + "\n" + '{"id": 1, "messa', encoding="utf-8")
-    args = make_parser().parse_args(["generate", "--input", str(data), "--output", str(out), "--max-new-tokens",
-                                     str(NEW), "--no-progress", "--limit", "2"])
+    args = make_parser().parse_args(
+        [
+            "generate",
+            "--input",
+            str(data),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            str(NEW),
+            "--no-progress",
+            "--limit",
+            "2",
+        ]
+    )
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -215,21 +264,44 @@ def test_resume_keeps_written_records_and_drops_a_torn_line(tmp_path, tiny, prom
     assert rows[1]["source"] == f"{data}:2" and rows[1]["messages"][1]["content"] != "old"
 
 
-CLI = ("import sys; from dflash_trainer.cli import main; sys.exit(main(sys.argv[1:]))")
+CLI = "import sys; from dflash_trainer.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def test_resume_after_kill(tmp_path, tiny, prompts):
     """Kill the real CLI after its first batch; the rerun writes every record exactly once."""
     model, tokenizer = tiny
     n = 10
-    records = [{"id": i, "messages": [{"role": "user", "content": prompts[i % len(prompts)] + "#" * i},
-                                      {"role": "assistant", "content": "old"}]} for i in range(n)]
+    records = [
+        {
+            "id": i,
+            "messages": [
+                {"role": "user", "content": prompts[i % len(prompts)] + "#" * i},
+                {"role": "assistant", "content": "old"},
+            ],
+        }
+        for i in range(n)
+    ]
     data = tmp_path / "chats.jsonl"
     write_jsonl(data, records)
     out = tmp_path / "regen.jsonl"
     partial = Path(f"{out}.partial")
-    cmd = [sys.executable, "-c", CLI, "generate", "--input", str(data), "--output", str(out),
-           "--max-new-tokens", str(NEW), "--batch-size", "2", "--no-progress", "--set", "target.dtype=float32"]
+    cmd = [
+        sys.executable,
+        "-c",
+        CLI,
+        "generate",
+        "--input",
+        str(data),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        str(NEW),
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--set",
+        "target.dtype=float32",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -147,7 +147,10 @@ def test_chunk_size_from_memory_budget():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda a: a.update(teacher_hidden=a["teacher_hidden"][:, :3]), r"teacher_hidden must be shaped like student_hidden \(41, 16\)"),
+        (
+            lambda a: a.update(teacher_hidden=a["teacher_hidden"][:, :3]),
+            r"teacher_hidden must be shaped like student_hidden \(41, 16\)",
+        ),
         (lambda a: a.update(lm_head_weight=a["lm_head_weight"][:, :3]), r"lm_head_weight must be \[V, 16\]"),
         (lambda a: a.update(lm_head_weight=a["lm_head_weight"].float()), "lm_head_weight.dtype must be torch.float64"),
         (lambda a: a.update(lm_head_weight=a["lm_head_weight"].clone().requires_grad_()), "head is frozen"),
@@ -195,8 +198,9 @@ def test_never_allocates_positions_by_vocab():
     labels = torch.randint(0, v, (n,), generator=g)
     weights = torch.ones(n)
     with OpRecorder() as rec:
-        loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, kl_weight=0.15, temperature=2.0, cap_weight=0.1,
-                                   chunk_size=256)
+        loss, _ = fused_draft_loss(
+            hs, ht, w_head, labels, weights, kl_weight=0.15, temperature=2.0, cap_weight=0.1, chunk_size=256
+        )
         loss.backward()
     assert rec.count("mm") >= 3 * (n // 256)  # the work really ran, chunk by chunk
     assert rec.largest < n * v, f"a tensor with {rec.largest} elements (N x V = {n * v}) was allocated"
@@ -207,7 +211,7 @@ def test_never_allocates_positions_by_vocab():
 def test_logit_options_follow_the_target_config():
     from transformers import CohereConfig, Gemma2Config, Qwen3Config
 
-    from dflash_trainer.loss import head_logit_options
+    from dflash_trainer.model.target import head_logit_options
 
     assert head_logit_options(Qwen3Config()) == {"logit_scale": 1.0, "softcap": None}
     assert head_logit_options(Gemma2Config()) == {"logit_scale": 1.0, "softcap": 30.0}

@@ -11,18 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from planner_measure import allocator_peak, measure_in_subprocess, predict_case
 
 from dflash_trainer import cli
+from dflash_trainer.commands.plan import add_plan_parser
 from dflash_trainer.config import load_config
-from dflash_trainer.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.errors import UserError
 from dflash_trainer.loss import fused_draft_loss
-from dflash_trainer.planner import formulas as F
+from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.planner import (
-    Topology, add_plan_parser, load_target_shape, make_plan, plan_for_config, render_json, render_text,
+    Topology,
+    load_target_shape,
+    make_plan,
+    plan_for_config,
+    render_json,
+    render_text,
     target_param_count,
 )
-from dflash_trainer.planner.measure import allocator_peak, measure_in_subprocess, predict_case
+from dflash_trainer.planner import formulas as F
 from dflash_trainer.planner.preflight import preflight
 from dflash_trainer.planner.shapes import GB, TargetShape, gpu_memory
 
@@ -37,6 +43,7 @@ def _bench():
 
 
 # -- formulas against the real objects -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["qwen3.6-27b", "qwen3-8b", "tiny"])
 def test_target_param_count_matches_transformers(name):
@@ -56,8 +63,17 @@ def test_target_param_count_matches_transformers(name):
 @pytest.mark.parametrize("layers,k,heads,kv,hd,inter", [(1, 5, 4, 2, 8, 48), (3, 3, 6, 3, 4, 40), (5, 5, 2, 1, 16, 24)])
 def test_drafter_param_count_matches_the_real_drafter(layers, k, heads, kv, hd, inter):
     hidden, vocab = 32, 64
-    spec = DrafterSpec(hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=hd, intermediate_size=inter,
-                       vocab_size=vocab, num_layers=layers, num_features=k, block_size=4)
+    spec = DrafterSpec(
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hd,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        num_layers=layers,
+        num_features=k,
+        block_size=4,
+    )
     drafter = DFlashDrafter(spec, torch.nn.Embedding(vocab, hidden), torch.zeros(vocab, hidden))
     dims = F.DrafterDims(hidden, heads, kv, hd, inter, vocab)
     params = list(drafter.parameters())
@@ -66,10 +82,16 @@ def test_drafter_param_count_matches_the_real_drafter(layers, k, heads, kv, hd, 
     assert F.drafter_largest_param(dims, k) == max(p.numel() for p in params)
 
 
-@pytest.mark.parametrize("terms", [
-    {}, {"kl_weight": 0.15}, {"kl_weight": 0.5, "temperature": 2.0}, {"kl_weight": 0.15, "cap_weight": 0.1},
-    {"label_source": "teacher"},
-])
+@pytest.mark.parametrize(
+    "terms",
+    [
+        {},
+        {"kl_weight": 0.15},
+        {"kl_weight": 0.5, "temperature": 2.0},
+        {"kl_weight": 0.15, "cap_weight": 0.1},
+        {"label_source": "teacher"},
+    ],
+)
 def test_loss_workspace_matches_the_fused_loss(terms):
     """The fused loss's forward pass, measured by the allocator, against ``loss_workspace`` plus the compacted
     input copies. The vocabulary dominates, so a changed number of [chunk, V] buffers shows at once."""
@@ -81,11 +103,21 @@ def test_loss_workspace_matches_the_fused_loss(terms):
     cap = terms.get("cap_weight", 0) > 0
     labels = (hs.detach() @ head.T).argmax(-1) if cap else torch.randint(0, v, (n,), generator=g)  # CAP: all correct
     weights = torch.ones(n)
-    w = F.Workload(seq_len=2 * n, max_anchors=n, block_size=2, target_dtype="float32", train_dtype="float32",
-                   kl_weight=terms.get("kl_weight", 0.0), temperature=terms.get("temperature", 1.0),
-                   cap_weight=terms.get("cap_weight", 0.0), labels="teacher" if "label_source" in terms else "data")
+    w = F.Workload(
+        seq_len=2 * n,
+        max_anchors=n,
+        block_size=2,
+        target_dtype="float32",
+        train_dtype="float32",
+        kl_weight=terms.get("kl_weight", 0.0),
+        temperature=terms.get("temperature", 1.0),
+        cap_weight=terms.get("cap_weight", 0.0),
+        labels="teacher" if "label_source" in terms else "data",
+    )
     teacher = ht if w.need_teacher else None  # as loss_of passes it
-    _, extra, _ = allocator_peak(lambda: fused_draft_loss(hs, teacher, head, labels, weights, chunk_size=chunk, **terms))
+    _, extra, _ = allocator_peak(
+        lambda: fused_draft_loss(hs, teacher, head, labels, weights, chunk_size=chunk, **terms)
+    )
     predicted = sum(F.loss_workspace(w, v, h, chunk, correct_fraction=1.0).values())
     predicted += n * h * 4 * (2 if w.need_teacher else 1)  # index_select copies of the kept rows
     assert abs(predicted / extra - 1) < 0.05, (predicted, extra)
@@ -100,6 +132,7 @@ def test_chunk_for_budget_inverts_the_workspace():
 
 
 # -- predicted vs measured: two cases of the validation sweep -----------------------------------
+
 
 def test_predicted_peak_of_real_cpu_steps_within_10_percent():
     bench = _bench()
@@ -117,6 +150,7 @@ def test_predicted_peak_of_real_cpu_steps_within_10_percent():
 
 # -- the seed's case -----------------------------------------------------------------------------
 
+
 def test_seed_case_fits_only_with_the_remedy_and_naive_reproduces_design_figures():
     cfg = load_config(["ddtree-experiment"])
     assert (cfg.topology.gpu, cfg.topology.target_gpus, cfg.topology.drafter_gpus) == ("rtx-pro-6000", 7, 1)
@@ -125,7 +159,9 @@ def test_seed_case_fits_only_with_the_remedy_and_naive_reproduces_design_figures
     assert [d.role for d in plan.devices] == ["target GPU", "drafter GPU"]
     assert cfg.data.max_anchors * cfg.drafter.block_size == 24_576 and cfg.data.seq_len == 65_536
 
-    without = plan_for_config(cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"activation_checkpointing": False})}))
+    without = plan_for_config(
+        cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"activation_checkpointing": False})})
+    )
     assert not without.fits
     assert any("activation_checkpointing=true" in r for r in without.recommendations)
     assert any("max_anchors=" in r for r in without.recommendations)
@@ -151,16 +187,24 @@ def test_baseline_fits_and_bigger_runs_get_a_recommendation():
 
 def test_planner_follows_the_config():
     cfg = load_config(["ddtree-experiment"])
-    w = make_plan(load_target_shape("qwen3.6-27b"), F.Workload(seq_len=65536, max_anchors=1024, block_size=24),
-                  Topology(memory=int(100 * GB), device_name="x", target_gpus=7)).workload
+    w = make_plan(
+        load_target_shape("qwen3.6-27b"),
+        F.Workload(seq_len=65536, max_anchors=1024, block_size=24),
+        Topology(memory=int(100 * GB), device_name="x", target_gpus=7),
+    ).workload
     base = plan_for_config(cfg).devices[-1].peak
-    more = plan_for_config(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_anchors": 1536})})).devices[-1].peak
+    more = (
+        plan_for_config(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_anchors": 1536})}))
+        .devices[-1]
+        .peak
+    )
     assert more > base and w.queries == 24_576
     fp32 = plan_for_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"dtype": "float32"})}))
     assert fp32.devices[-1].peak > base
 
 
 # -- command line --------------------------------------------------------------------------------
+
 
 def run_cli(monkeypatch, capsys, *argv):
     """``dflash_trainer.cli.main`` with the plan sub-command registered (whether or not cli.py wires it yet)."""
@@ -190,20 +234,36 @@ def test_plan_command_text_and_json(monkeypatch, capsys):
     assert drafter["total_bytes"] == drafter["tensor_peak_bytes"] + drafter["runtime_bytes"] + drafter["margin_bytes"]
     peak_items = sum(i["bytes"] for i in drafter["items"] if i["at_peak"])
     assert peak_items == drafter["tensor_peak_bytes"]
-    code, out, _ = run_cli(monkeypatch, capsys, "--target", "qwen3-8b", "--gpu", "h100", "--target-gpus", "3",
-                           "--set", "data.seq_len=32768", "--set", "drafter.attention_backend=flex", "--naive")
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "--target",
+        "qwen3-8b",
+        "--gpu",
+        "h100",
+        "--target-gpus",
+        "3",
+        "--set",
+        "data.seq_len=32768",
+        "--set",
+        "drafter.attention_backend=flex",
+        "--naive",
+    )
     assert code == 0 and "WITHOUT this project's fixes" in out
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--config", "ddtree-experiment", "--gpu", "rtx9000"], "unknown GPU 'rtx9000'"),
-    (["--config", "ddtree-experiment", "--gpu", "0"], "GPU memory must be > 0"),
-    (["--config", "ddtree-experiment", "--target", "qwen9"], "no config.json"),
-    (["--config", "ddtree-experiment", "--target-gpus", "-1"], "--target-gpus must be >= 0"),
-    (["--config", "ddtree-experiment", "--set", "data.max_anchors=0"], "data.max_anchors"),
-    (["--config", "ddtree-experiment", "--set", "topology.gpu=rtx9000"], "rtx-pro-6000"),
-    (["--set", "target.path=null"], "no target to plan for"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--config", "ddtree-experiment", "--gpu", "rtx9000"], "unknown GPU 'rtx9000'"),
+        (["--config", "ddtree-experiment", "--gpu", "0"], "GPU memory must be > 0"),
+        (["--config", "ddtree-experiment", "--target", "qwen9"], "no config.json"),
+        (["--config", "ddtree-experiment", "--target-gpus", "-1"], "--target-gpus must be >= 0"),
+        (["--config", "ddtree-experiment", "--set", "data.max_anchors=0"], "data.max_anchors"),
+        (["--config", "ddtree-experiment", "--set", "topology.gpu=rtx9000"], "rtx-pro-6000"),
+        (["--set", "target.path=null"], "no target to plan for"),
+    ],
+)
 def test_bad_input_is_one_clear_line(monkeypatch, capsys, argv, needle):
     code, _, err = run_cli(monkeypatch, capsys, *argv)
     assert code == 2
@@ -214,8 +274,17 @@ def test_bad_config_json_names_the_field(tmp_path, monkeypatch, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "vocab_size": 100}))
     code, _, err = run_cli(monkeypatch, capsys, "--target", str(tmp_path))
     assert code == 2 and "'hidden_size'" in err and err.count("\n") == 1
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": -8, "num_hidden_layers": 4, "vocab_size": 100,
-                                                      "intermediate_size": 8, "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": -8,
+                "num_hidden_layers": 4,
+                "vocab_size": 100,
+                "intermediate_size": 8,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     code, _, err = run_cli(monkeypatch, capsys, "--target", str(tmp_path / "config.json"))
     assert code == 2 and "'hidden_size' must be a positive integer" in err
     with pytest.raises(UserError, match="unknown GPU"):
@@ -225,6 +294,7 @@ def test_bad_config_json_names_the_field(tmp_path, monkeypatch, capsys):
 
 
 # -- preflight -----------------------------------------------------------------------------------
+
 
 def _tiny_cfg(*extra):
     return load_config(["tiny-demo"], ["data.train_files=[x.jsonl]", *extra])
@@ -253,7 +323,7 @@ def test_preflight_derives_the_loss_chunk_and_refuses_what_does_not_fit():
 
 def test_train_runs_the_preflight_first(tmp_path, monkeypatch):
     """run_training refuses before loading the target or the data (a tiny budget via the RAM probe)."""
-    from dflash_trainer import run_train
+    from dflash_trainer.commands import train as run_train
     from dflash_trainer.planner import preflight as pf
 
     monkeypatch.setattr(pf, "available_ram", lambda: int(0.01 * GB))
@@ -264,27 +334,46 @@ def test_train_runs_the_preflight_first(tmp_path, monkeypatch):
 
 # -- the remedy ----------------------------------------------------------------------------------
 
+
 def test_activation_checkpointing_keeps_gradients_identical():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_trainer.anchors import build_blocks, doc_ids_from_positions
     from dflash_trainer.config import DrafterConfig
+    from dflash_trainer.data.blocks import build_blocks
+    from dflash_trainer.data.packing import doc_ids_from_positions
 
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=4)).double()
+    target = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+        )
+    ).double()
     grads = []
     for ckpt in (False, True):
-        dc = DrafterConfig(num_layers=3, block_size=4, sliding_window_layers=[0], sliding_window=5,
-                           activation_checkpointing=ckpt)
+        dc = DrafterConfig(
+            num_layers=3, block_size=4, sliding_window_layers=[0], sliding_window=5, activation_checkpointing=ckpt
+        )
         spec = DrafterSpec.from_target(target.config, dc, num_features=2, mask_token_id=3)
         assert spec.activation_checkpointing is ckpt
         torch.manual_seed(1)
         d = DFlashDrafter(spec, target.get_input_embeddings(), target.get_output_embeddings().weight).double().train()
         positions = torch.cat([torch.arange(20), torch.arange(12)])
         ids = torch.randint(4, 64, (32,), generator=torch.Generator().manual_seed(2))
-        blocks = build_blocks(ids, positions, torch.ones(32, dtype=torch.long), torch.tensor([3, 9, 22]),
-                              block_size=4, mask_token_id=3, gamma=4.0)
+        blocks = build_blocks(
+            ids,
+            positions,
+            torch.ones(32, dtype=torch.long),
+            torch.tensor([3, 9, 22]),
+            block_size=4,
+            mask_token_id=3,
+            gamma=4.0,
+        )
         masks = d.build_masks(blocks.anchors, blocks.doc_ids, doc_ids_from_positions(positions), "dense")
         feats = torch.randn(32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         d(blocks.input_ids, blocks.position_ids, feats, positions, masks).square().sum().backward()
@@ -296,9 +385,17 @@ def test_activation_checkpointing_keeps_gradients_identical():
 def test_seed_plan_renders_its_breakdown():
     plan = plan_for_config(load_config(["ddtree-experiment"]))
     text = render_text(plan)
-    for name in ("target weights", "target activations (body-only forward)", "captured hidden states",
-                 "drafter weights (fp32)", "gradients (fp32)", "optimizer states (AdamW, fp32)",
-                 "drafter activations (saved for backward)", "fused loss workspace", "allocator margin"):
+    for name in (
+        "target weights",
+        "target activations (body-only forward)",
+        "captured hidden states",
+        "drafter weights (fp32)",
+        "gradients (fp32)",
+        "optimizer states (AdamW, fp32)",
+        "drafter activations (saved for backward)",
+        "fused loss workspace",
+        "allocator margin",
+    ):
         assert name in text
     data = render_json(plan)
     assert json.dumps(data)  # serializable

@@ -2,27 +2,47 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+from test_loss import OpRecorder
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from dflash_trainer.errors import UserError
-from dflash_trainer.target import TargetModel, default_layer_ids
-from test_loss import OpRecorder
+from dflash_trainer.model.target import TargetModel, default_layer_ids
 
 V = 3000  # large against L so that an [L x V] tensor would stand out
 
 
 def tiny(kind: str):
     torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
-        cfg = Qwen3_5TextConfig(**common, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-                                linear_value_head_dim=8, layer_types=["linear_attention", "linear_attention",
-                                "linear_attention", "full_attention"] * 2)
+        cfg = Qwen3_5TextConfig(
+            **common,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+        )
         model = Qwen3_5ForCausalLM(cfg)
     return model.double().eval()
 

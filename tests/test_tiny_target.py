@@ -36,8 +36,9 @@ def test_tokenizer_specials_and_chat_template(tiny):
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"):
         ids = tok(special, add_special_tokens=False)["input_ids"]
         assert ids == [tok.convert_tokens_to_ids(special)], special  # one token, never split
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x = 1"}],
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x = 1"}], tokenize=False
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nx = 1<|im_end|>\n"
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
@@ -77,9 +78,23 @@ def test_greedy_generation_runs_offline(tiny):
 
 
 def test_build_is_deterministic_given_seed(tmp_path):
-    settings = BuildSettings(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                             num_kv_heads=1, head_dim=16, seq_len=32, batch_size=2, max_steps=3, warmup_steps=1,
-                             eval_every=2, eval_windows=2, files_limit=25, threads=1)
+    settings = BuildSettings(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        seq_len=32,
+        batch_size=2,
+        max_steps=3,
+        warmup_steps=1,
+        eval_every=2,
+        eval_windows=2,
+        files_limit=25,
+        threads=1,
+    )
     a = build(tmp_path / "a", settings)
     b = build(tmp_path / "b", settings)
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")

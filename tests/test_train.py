@@ -14,22 +14,39 @@ import torch
 
 from dflash_trainer.config import load_config
 from dflash_trainer.errors import UserError
-from dflash_trainer.run_train import prepare
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.train import Trainer, find_resume_checkpoint, loss_of, row_forward, verify_checkpoint
+from dflash_trainer.training.checkpoint import find_resume_checkpoint, verify_checkpoint
+from dflash_trainer.training.setup import prepare
+from dflash_trainer.training.step import draft_loss, drafter_step, produce_row_features
+from dflash_trainer.training.trainer import Trainer
 
 
 def write_data(path, n=40, chars=900):
     records = []
     for f in load_split("train", limit=n):
-        records.append({"messages": [{"role": "user", "content": f"Continue `{f.relpath}`:\n"},
-                                     {"role": "assistant", "content": f.text[:chars]}]})
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Continue `{f.relpath}`:\n"},
+                    {"role": "assistant", "content": f.text[:chars]},
+                ]
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-SMALL = ["drafter.num_layers=1", "drafter.block_size=4", "data.seq_len=256", "data.max_anchors=8",
-         "train.max_steps=24", "train.save_every=6", "train.eval_every=12", "train.lr=2e-3", "data.max_eval_rows=2"]
+SMALL = [
+    "drafter.num_layers=1",
+    "drafter.block_size=4",
+    "data.seq_len=256",
+    "data.max_anchors=8",
+    "train.max_steps=24",
+    "train.save_every=6",
+    "train.eval_every=12",
+    "train.lr=2e-3",
+    "data.max_eval_rows=2",
+]
 
 
 def config(tmp_path, data, *extra):
@@ -37,9 +54,22 @@ def config(tmp_path, data, *extra):
 
 
 def train_cli(cfg_args, *extra):
-    return subprocess.Popen([sys.executable, "-m", "dflash_trainer.cli", "train", "--config", "tiny-demo",
-                             "--no-progress", *[a for s in cfg_args for a in ("--set", s)], *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash_trainer.cli",
+            "train",
+            "--config",
+            "tiny-demo",
+            "--no-progress",
+            *[a for s in cfg_args for a in ("--set", s)],
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def losses(run_dir):
@@ -51,8 +81,9 @@ def test_training_reduces_loss_and_writes_a_checkpoint(tmp_path):
     data = write_data(tmp_path / "data.jsonl")
     cfg = config(tmp_path, data, "train.max_steps=30", "train.eval_every=30", "train.save_every=30")
     target, tok, train_rows, eval_rows, report = prepare(cfg)
-    trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny",
-                      progress=False)
+    trainer = Trainer(
+        cfg, target, tok, train_rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False
+    )
     before = trainer.evaluate()
     after = trainer.fit()
     steps = losses(tmp_path / "run")
@@ -69,10 +100,10 @@ def test_fused_and_reference_losses_agree_on_a_real_step(tmp_path):
     cfg = config(tmp_path, data, "loss.kl_weight=0.15", "loss.cap_weight=0.1")
     target, tok, rows, eval_rows, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
-    batch = row_forward(cfg, target, trainer.drafter, rows[0], torch.Generator().manual_seed(0), max_anchors=8, train=True)
-    fused, _ = loss_of(cfg, target, batch)
+    batch = drafter_step(trainer.drafter, produce_row_features(target, rows[0], 0, cfg), cfg, train=True)
+    fused, _ = draft_loss(trainer.drafter, batch, cfg)
     (g_fused,) = torch.autograd.grad(fused, trainer.drafter.fc.weight, retain_graph=True)
-    ref, _ = loss_of(cfg, target, batch, reference=True)
+    ref, _ = draft_loss(trainer.drafter, batch, cfg, reference=True)
     (g_ref,) = torch.autograd.grad(ref, trainer.drafter.fc.weight)
     assert abs(fused.item() - ref.item()) < 1e-4
     assert torch.allclose(g_fused, g_ref, rtol=1e-3, atol=1e-6)
@@ -111,8 +142,13 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
 
 def test_sigterm_saves_a_checkpoint(tmp_path):
     data = write_data(tmp_path / "data.jsonl")
-    args = [*SMALL, "train.max_steps=100000", "train.save_every=100000", f"data.train_files=[{data}]",
-            f"output_dir={tmp_path / 'run'}"]
+    args = [
+        *SMALL,
+        "train.max_steps=100000",
+        "train.save_every=100000",
+        f"data.train_files=[{data}]",
+        f"output_dir={tmp_path / 'run'}",
+    ]
     proc = train_cli(args)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
@@ -129,8 +165,19 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path):
     data = write_data(tmp_path / "data.jsonl", n=8)
     cfg = config(tmp_path, data, "train.max_steps=6", "train.eval_every=6")
     target, tok, rows, eval_rows, _ = prepare(cfg)
-    make = lambda: Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny",  # noqa: E731
-                           progress=False)
+
+    def make():
+        return Trainer(
+            cfg,
+            target,
+            tok,
+            rows,
+            eval_rows,
+            out_dir=tmp_path / "run",
+            target_path="tiny",
+            progress=False,
+        )
+
     make().fit()
     with pytest.raises(UserError, match="already holds checkpoints: continue with --resume auto"):
         make().fit()
@@ -174,5 +221,5 @@ def test_gradient_accumulation_averages_rows(tmp_path):
     target, tok, rows, eval_rows, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
     out = trainer.train_step()
-    assert trainer.c.row_index == 3 and out["tokens"] == 3 * cfg.data.seq_len
+    assert trainer.c.rows_consumed == 3 and out["tokens"] == 3 * cfg.data.seq_len
     assert out["loss"] > 0 and math.isfinite(out["grad_norm"])

@@ -4,6 +4,17 @@ from .loader import ConfigError, dump_config, load_config, preset_names, valid_k
 from .schema import TINY_TARGET, DataConfig, DrafterConfig, LossConfig, RunConfig, TargetConfig, TrainConfig
 
 __all__ = [
-    "TINY_TARGET", "ConfigError", "DataConfig", "DrafterConfig", "LossConfig", "RunConfig", "TargetConfig",
-    "TrainConfig", "dump_config", "load_config", "preset_names", "valid_keys", "write_resolved_config",
+    "TINY_TARGET",
+    "ConfigError",
+    "DataConfig",
+    "DrafterConfig",
+    "LossConfig",
+    "RunConfig",
+    "TargetConfig",
+    "TrainConfig",
+    "dump_config",
+    "load_config",
+    "preset_names",
+    "valid_keys",
+    "write_resolved_config",
 ]

@@ -11,12 +11,19 @@ from .schema import RunConfig
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None, set_help: str | None = None) -> None:
     """Repeatable ``--config FILE|PRESET`` (later wins) and ``--set KEY=VALUE`` (after every file)."""
     p.add_argument(
-        "--config", action="append", default=None, metavar="FILE|PRESET",
+        "--config",
+        action="append",
+        default=None,
+        metavar="FILE|PRESET",
         help="YAML file or built-in preset name; repeat to layer several (later wins)"
         + (f"; default: {default_preset}" if default_preset else ""),
     )
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help=set_help or "dotted override applied after all --config files, e.g. --set train.lr=3e-4",
     )
     p.set_defaults(default_preset=default_preset)

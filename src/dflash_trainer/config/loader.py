@@ -1,6 +1,6 @@
 """Resolve a run's configuration: schema defaults < YAML sources (in order) < ``--set`` overrides.
 
-A YAML source is a file path or the name of a built-in preset (``presets/*.yaml``). Every problem
+A YAML source is a file path or the name of a built-in preset (``config/presets/*.yaml``). Every problem
 is a ``ConfigError`` whose message is one line naming the file, key or value at fault, so the CLI
 can print it without a traceback.
 """
@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import UserError
+from ..io import atomic_write_text
 from .schema import RunConfig
 
 
@@ -24,8 +25,14 @@ class ConfigError(UserError, ValueError):
 
 
 def preset_names() -> list[str]:
-    folder = resources.files("dflash_trainer") / "presets"
+    folder = resources.files("dflash_trainer.config") / "presets"
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset_description(name: str) -> str:
+    """The first comment line of a built-in preset."""
+    text = (resources.files("dflash_trainer.config") / "presets" / f"{name}.yaml").read_text(encoding="utf-8")
+    return next((line[1:].strip() for line in text.splitlines() if line.startswith("#")), "")
 
 
 def _read_yaml(text: str, label: str) -> dict[str, Any]:
@@ -53,7 +60,7 @@ def read_source(source: str) -> tuple[dict[str, Any], str]:
             raise ConfigError(f"cannot read config file {source}: {exc}") from None
         return _read_yaml(text, str(path)), str(path)
     if source in preset_names():
-        text = (resources.files("dflash_trainer") / "presets" / f"{source}.yaml").read_text(encoding="utf-8")
+        text = (resources.files("dflash_trainer.config") / "presets" / f"{source}.yaml").read_text(encoding="utf-8")
         return _read_yaml(text, f"preset {source}"), f"preset {source}"
     if path.exists():
         raise ConfigError(f"config path {source} is not a file")
@@ -193,9 +200,6 @@ def dump_config(config: RunConfig) -> str:
 
 def write_resolved_config(config: RunConfig, out_dir: Path) -> Path:
     """Write ``run.yaml`` into ``out_dir`` (created) atomically and return its path."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "run.yaml"
-    tmp = out_dir / ".run.yaml.tmp"
-    tmp.write_text(dump_config(config), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(out_dir / "run.yaml", dump_config(config))

@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..errors import UserError
+from .gpus import gpu_memory
+
 TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny target
 
 
@@ -56,7 +59,9 @@ class DrafterConfig(Section):
     )
     sliding_window: int = Field(2048, ge=1, description="W: context rows a sliding-window layer sees")
     causal_in_block_sliding: bool = Field(False, description="sliding-window layers are causal inside the block")
-    noise: Literal["none", "uniform", "gaussian"] = Field("none", description="noise on context features (training only)")
+    noise: Literal["none", "uniform", "gaussian"] = Field(
+        "none", description="noise on context features (training only)"
+    )
     noise_scale: float = Field(0.0, ge=0.0, description="s: uniform in [-s, s] or Gaussian std s")
     mask_token_id: int | None = Field(None, ge=0, description="null = the tokenizer's <|MASK|> token")
     attention_backend: Literal["dense", "flex"] = Field(
@@ -82,7 +87,9 @@ class DataConfig(Section):
     seq_len: int = Field(4096, ge=2, description="tokens per packed row")
     max_anchors: int = Field(512, ge=1, description="anchors (blocks) sampled per packed row")
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0, description="stop when more records are bad")
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="held-out share of train_files when eval_files is empty")
+    eval_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="held-out share of train_files when eval_files is empty"
+    )
     max_eval_rows: int = Field(16, ge=1, description="packed rows scored at each evaluation")
 
 
@@ -107,7 +114,6 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_ratio: float = Field(0.04, ge=0.0, le=1.0)
     max_steps: int = Field(1000, ge=1)
-    rows_per_step: int = Field(1, ge=1, description="packed rows per micro-batch")
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="autocast dtype of the drafter")
@@ -121,25 +127,28 @@ class TopologyConfig(Section):
     """Where the run's pieces live: read by the memory planner (``dflash-train plan``) and the preflight."""
 
     gpu: str = Field(
-        "auto", description="memory of each GPU: a preset (rtx-pro-6000, h100, h200, a100-80gb, l40s) or GB, "
-        "e.g. 95; auto = the device this process trains on"
+        "auto",
+        description="memory of each GPU: a preset (rtx-pro-6000, h100, h200, a100-80gb, l40s) or GB, "
+        "e.g. 95; auto = the device this process trains on",
     )
-    target_gpus: int = Field(0, ge=0, description="GPUs running target replicas; 0 = the target shares the drafter's device")
+    target_gpus: int = Field(
+        0, ge=0, description="GPUs running target replicas; 0 = the target shares the drafter's device"
+    )
     drafter_gpus: int = Field(1, ge=1, description="GPUs training drafter replicas (data parallel)")
     target_model: str | None = Field(
-        None, description="what the planner prices when target.path is not set: a built-in target "
-        "(qwen3.6-27b, qwen3-8b), a model folder or a config.json"
+        None,
+        description="what the planner prices when target.path is not set: a built-in target "
+        "(qwen3.6-27b, qwen3-8b), a model folder or a config.json",
     )
-    allocator_margin: float = Field(0.05, ge=0.0, le=1.0, description="share of the tensor peak kept for allocator fragmentation")
+    allocator_margin: float = Field(
+        0.05, ge=0.0, le=1.0, description="share of the tensor peak kept for allocator fragmentation"
+    )
     preflight: bool = Field(True, description="dflash-train train refuses a run the planner predicts will not fit")
 
     @field_validator("gpu")
     @classmethod
     def _known_gpu(cls, value: str) -> str:
         if value != "auto":
-            from ..errors import UserError
-            from ..planner.shapes import gpu_memory
-
             try:
                 gpu_memory(value)
             except UserError as exc:
@@ -162,7 +171,5 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _anchors_fit_row(self) -> RunConfig:
         if self.drafter.block_size > self.data.seq_len:
-            raise ValueError(
-                f"drafter.block_size {self.drafter.block_size} exceeds data.seq_len {self.data.seq_len}"
-            )
+            raise ValueError(f"drafter.block_size {self.drafter.block_size} exceeds data.seq_len {self.data.seq_len}")
         return self

@@ -59,7 +59,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
                 f"chat template is not prefix-stable: the conversation rendered through message {i} is "
                 "not a prefix of the whole conversation"
             )
-        start, end = len(prompt), len(prompt) + len(turn[len(prompt):].rstrip())
+        start, end = len(prompt), len(prompt) + len(turn[len(prompt) :].rstrip())
         if end > start:
             spans.append((start, end))
     return full, spans

@@ -20,7 +20,6 @@ unknown role, no assistant turn, ...):
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections import Counter
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..io import atomic_write_json
 from .chat import tokenize_conversation
 from .records import BadRecord, Record, expand_paths, iter_records
 
@@ -81,28 +81,22 @@ class DataReport:
 
     def to_dict(self) -> dict:
         return {
-            "files": self.files, "n_records": self.n_records, "n_documents": self.n_documents,
-            "n_bad": self.n_bad, "bad_fraction": self.bad_fraction, "n_tokens": self.n_tokens,
-            "n_loss_tokens": self.n_loss_tokens, "counts": self.counts,
+            "files": self.files,
+            "n_records": self.n_records,
+            "n_documents": self.n_documents,
+            "n_bad": self.n_bad,
+            "bad_fraction": self.bad_fraction,
+            "n_tokens": self.n_tokens,
+            "n_loss_tokens": self.n_loss_tokens,
+            "counts": self.counts,
             "bad": [{"file": f, "line": n, "reason": r} for f, n, r in self.bad],
         }
 
     def write(self, path: str | os.PathLike) -> Path:
-        """Write the report as JSON, atomically (a temporary file in the same folder, then
-        ``os.replace``), so a reader never sees half a report. Returns the path."""
+        """Write the report as JSON, atomically (``io.atomic_write_json``). Returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp makes 0600; a report is for every reader of the run folder
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write_json(path, self.to_dict())
 
 
 def _check_document(ids: list[int], mask: list[int], vocab_size: int, min_tokens: int) -> str | None:
@@ -136,8 +130,15 @@ def _to_document(record: Record, tokenizer, vocab_size: int, min_tokens: int) ->
     return Document(input_ids=list(ids), loss_mask=list(mask), source=record.source, line=record.line)
 
 
-def load_documents(paths: list[str], tokenizer, *, vocab_size: int, min_tokens: int, max_bad_fraction: float,
-                   report_path: str | os.PathLike | None = None) -> tuple[list[Document], DataReport]:
+def load_documents(
+    paths: list[str],
+    tokenizer,
+    *,
+    vocab_size: int,
+    min_tokens: int,
+    max_bad_fraction: float,
+    report_path: str | os.PathLike | None = None,
+) -> tuple[list[Document], DataReport]:
     """Every usable document of the JSONL files/folders ``paths``, in file and line order, and the report.
 
     ``vocab_size`` is the target model's (ids must index its embedding); ``min_tokens`` is usually the

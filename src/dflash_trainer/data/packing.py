@@ -1,7 +1,7 @@
 """Pack documents into fixed-length rows, the unit the target and the drafter see.
 
 Document boundaries inside a row are carried by the positions alone: every document restarts at
-position 0, and ``anchors.doc_ids_from_positions`` starts a new document wherever a position does not
+position 0, and ``doc_ids_from_positions`` starts a new document wherever a position does not
 continue the previous one. A non-empty document ends at position ``len - 1 >= 0``, so the next one's
 0 can never look like a continuation: the boundaries survive without a separate doc-id tensor.
 
@@ -23,6 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from .documents import Document
+
+
+def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[L]`` document index of each token of a packed row. A new document starts wherever the
+    position does not continue the previous one (``p[i] != p[i-1] + 1``), the rule Hugging Face uses
+    to keep packed documents apart, so the target and the drafter agree on the boundaries."""
+    starts = torch.ones_like(position_ids, dtype=torch.long)
+    starts[1:] = (position_ids[1:] != position_ids[:-1] + 1).long()
+    return starts.cumsum(0) - 1
 
 
 @dataclass
@@ -61,8 +70,9 @@ class _FirstFit:
 
 def split_document(doc: Document, seq_len: int) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, loss_mask)`` pieces of at most ``seq_len`` tokens, in order."""
-    return [(doc.input_ids[s:s + seq_len], doc.loss_mask[s:s + seq_len])
-            for s in range(0, len(doc.input_ids), seq_len)]
+    return [
+        (doc.input_ids[s : s + seq_len], doc.loss_mask[s : s + seq_len]) for s in range(0, len(doc.input_ids), seq_len)
+    ]
 
 
 def pack_documents(docs: Sequence[Document], seq_len: int, pad_token_id: int) -> list[PackedRow]:
@@ -74,8 +84,10 @@ def pack_documents(docs: Sequence[Document], seq_len: int, pad_token_id: int) ->
     pieces: list[tuple[list[int], list[int]]] = []
     for doc in docs:
         if len(doc.input_ids) != len(doc.loss_mask):
-            raise ValueError(f"document {doc.source}:{doc.line} has {len(doc.input_ids)} ids but "
-                             f"{len(doc.loss_mask)} loss-mask entries")
+            raise ValueError(
+                f"document {doc.source}:{doc.line} has {len(doc.input_ids)} ids but "
+                f"{len(doc.loss_mask)} loss-mask entries"
+            )
         if not doc.input_ids:
             raise ValueError(f"document {doc.source}:{doc.line} is empty")
         pieces.extend(split_document(doc, seq_len))
@@ -101,9 +113,11 @@ def pack_documents(docs: Sequence[Document], seq_len: int, pad_token_id: int) ->
         ids.extend([pad_token_id] * pad)
         mask.extend([0] * pad)
         pos.extend(range(pad))
-        packed.append(PackedRow(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            position_ids=torch.tensor(pos, dtype=torch.long),
-            loss_mask=torch.tensor(mask, dtype=torch.long),
-        ))
+        packed.append(
+            PackedRow(
+                input_ids=torch.tensor(ids, dtype=torch.long),
+                position_ids=torch.tensor(pos, dtype=torch.long),
+                loss_mask=torch.tensor(mask, dtype=torch.long),
+            )
+        )
     return packed

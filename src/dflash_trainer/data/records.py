@@ -18,9 +18,19 @@ from pathlib import Path
 
 from ..errors import UserError
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                  "bing": "assistant", "bard": "assistant", "system": "system", "tool": "tool", "function": "tool",
-                  "observation": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
 ROLES = {"system", "user", "assistant", "tool"}
 
 

@@ -1,7 +1,15 @@
 """The draft loss: a fused chunked implementation and the plain reference it is tested against."""
 
-from .fused import chunk_rows, fused_draft_loss, head_logit_options
+from .fused import chunk_rows, fused_draft_loss
+from .logits import transform_logits
 from .reference import reference_draft_loss
 from .weights import dpace_slot_weights, slot_weights
 
-__all__ = ["chunk_rows", "head_logit_options", "dpace_slot_weights", "fused_draft_loss", "reference_draft_loss", "slot_weights"]
+__all__ = [
+    "chunk_rows",
+    "dpace_slot_weights",
+    "fused_draft_loss",
+    "reference_draft_loss",
+    "slot_weights",
+    "transform_logits",
+]

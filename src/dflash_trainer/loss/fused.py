@@ -42,15 +42,6 @@ class LossTerms:
     softcap: float | None = None
 
 
-def head_logit_options(config) -> dict:
-    """``{"logit_scale", "softcap"}`` of a Hugging Face model config: Cohere-style ``logit_scale``
-    multiplies the logits, Gemma-style ``final_logit_softcapping`` caps them; both default to off."""
-    text = getattr(config, "get_text_config", lambda: config)()
-    scale = getattr(text, "logit_scale", None)
-    softcap = getattr(text, "final_logit_softcapping", None)
-    return {"logit_scale": float(scale) if scale else 1.0, "softcap": float(softcap) if softcap else None}
-
-
 def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | None) -> int:
     """Rows per chunk: explicit, or the most whose worst-case workspace ``c*V*26`` bytes fits ``memory_budget``."""
     if chunk_size is not None:
@@ -67,7 +58,9 @@ def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | Non
     return int(rows)
 
 
-def _logits(h: torch.Tensor | None, weight: torch.Tensor, t: LossTerms, out: torch.Tensor | None) -> torch.Tensor | None:
+def _logits(
+    h: torch.Tensor | None, weight: torch.Tensor, t: LossTerms, out: torch.Tensor | None
+) -> torch.Tensor | None:
     """``[c, H] -> [c, V]`` logits in ``out``'s dtype (fp32/fp64), scaled and soft-capped in place.
 
     ``out`` is a reused workspace buffer: fresh multi-MB allocations per chunk would page-fault."""
@@ -118,8 +111,11 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
     loss_main = torch.zeros((), dtype=torch.float64, device=dev)
     cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
     c_max, vocab = min(chunk, n), weight.shape[0]
-    buffers = {name: torch.empty(c_max, vocab, dtype=f, device=dev)
-               for name, needed in (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0)) if needed}
+    buffers = {
+        name: torch.empty(c_max, vocab, dtype=f, device=dev)
+        for name, needed in (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0))
+        if needed
+    }
 
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
@@ -209,8 +205,18 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
         # Statistics, per slot when slot ids are given.
         group = slot_ids[rows] if num_slots else torch.zeros_like(y)
         agree = (s_arg == t_arg) if t_arg is not None else torch.zeros_like(correct)
-        cols = torch.stack([torch.ones_like(ce), ce, kl, torch.where(correct, entropy, 0.0), correct.to(f),
-                            agree.to(f), torch.exp(z_y - lse)], 1).double()
+        cols = torch.stack(
+            [
+                torch.ones_like(ce),
+                ce,
+                kl,
+                torch.where(correct, entropy, 0.0),
+                correct.to(f),
+                agree.to(f),
+                torch.exp(z_y - lse),
+            ],
+            1,
+        ).double()
         stats.index_add_(0, group, cols)
         del zs
 
@@ -278,7 +284,12 @@ def fused_draft_loss(
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))
     n, hidden = hs.shape
     _check("lm_head_weight", w_head.dim() == 2 and w_head.shape[1] == hidden, f"[V, {hidden}]", tuple(w_head.shape))
-    _check("lm_head_weight.requires_grad", not w_head.requires_grad, "False (the head is frozen; pass weight.detach())", True)
+    _check(
+        "lm_head_weight.requires_grad",
+        not w_head.requires_grad,
+        "False (the head is frozen; pass weight.detach())",
+        True,
+    )
     _check("lm_head_weight.dtype", w_head.dtype == hs.dtype, f"{hs.dtype} like student_hidden", w_head.dtype)
     vocab = w_head.shape[0]
     _check("label_source", label_source in ("data", "teacher"), "'data' or 'teacher'", repr(label_source))
@@ -288,27 +299,50 @@ def fused_draft_loss(
     _check("cap_weight", cap_weight >= 0, ">= 0", cap_weight)
     _check("softcap", softcap is None or softcap > 0, "None or > 0", softcap)
     if ht is None:
-        _check("teacher_hidden", kl_weight == 0 and label_source == "data",
-               "given when kl_weight > 0 or label_source='teacher'", None)
+        _check(
+            "teacher_hidden",
+            kl_weight == 0 and label_source == "data",
+            "given when kl_weight > 0 or label_source='teacher'",
+            None,
+        )
     else:
         _check("teacher_hidden", ht.shape == hs.shape, f"shaped like student_hidden {tuple(hs.shape)}", tuple(ht.shape))
         _check("teacher_hidden.dtype", ht.dtype == hs.dtype, f"{hs.dtype} like student_hidden", ht.dtype)
         ht = ht.detach()
-    _check("weights", weights.shape == (n,) and weights.is_floating_point(), f"a floating [{n}] tensor",
-           f"{tuple(weights.shape)} {weights.dtype}")
-    _check("weights", bool(torch.isfinite(weights).all()) and bool((weights >= 0).all()), "finite and >= 0",
-           f"min {weights.min().item() if n else 0}")
+    _check(
+        "weights",
+        weights.shape == (n,) and weights.is_floating_point(),
+        f"a floating [{n}] tensor",
+        f"{tuple(weights.shape)} {weights.dtype}",
+    )
+    _check(
+        "weights",
+        bool(torch.isfinite(weights).all()) and bool((weights >= 0).all()),
+        "finite and >= 0",
+        f"min {weights.min().item() if n else 0}",
+    )
     if label_source == "data":
-        _check("labels", labels is not None and labels.shape == (n,) and not labels.is_floating_point(),
-               f"an integer [{n}] tensor", None if labels is None else f"{tuple(labels.shape)} {labels.dtype}")
+        _check(
+            "labels",
+            labels is not None and labels.shape == (n,) and not labels.is_floating_point(),
+            f"an integer [{n}] tensor",
+            None if labels is None else f"{tuple(labels.shape)} {labels.dtype}",
+        )
         valid = labels[weights > 0]
-        _check("labels", valid.numel() == 0 or (int(valid.min()) >= 0 and int(valid.max()) < vocab),
-               f"token ids in [0, {vocab}) where weight > 0",
-               f"range [{int(valid.min())}, {int(valid.max())}]" if valid.numel() else None)
+        _check(
+            "labels",
+            valid.numel() == 0 or (int(valid.min()) >= 0 and int(valid.max()) < vocab),
+            f"token ids in [0, {vocab}) where weight > 0",
+            f"range [{int(valid.min())}, {int(valid.max())}]" if valid.numel() else None,
+        )
     if slot_ids is not None:
         _check("num_slots", num_slots is not None and num_slots >= 1, "given with slot_ids", num_slots)
-        _check("slot_ids", slot_ids.shape == (n,) and (n == 0 or (int(slot_ids.min()) >= 0 and int(slot_ids.max()) < num_slots)),
-               f"[{n}] ids in [0, {num_slots})", tuple(slot_ids.shape))
+        _check(
+            "slot_ids",
+            slot_ids.shape == (n,) and (n == 0 or (int(slot_ids.min()) >= 0 and int(slot_ids.max()) < num_slots)),
+            f"[{n}] ids in [0, {num_slots})",
+            tuple(slot_ids.shape),
+        )
     terms = LossTerms(kl_weight, temperature, cap_weight, cap_temperature, label_source, logit_scale, softcap)
     chunk = chunk_rows(vocab, chunk_size, memory_budget)
 
@@ -336,8 +370,15 @@ _COLUMNS = ("rows", "ce", "kl", "entropy", "correct", "agreement", "label_prob")
 def _metrics(stats: torch.Tensor, has_teacher: bool, per_slot: bool) -> dict:
     def summarize(s: torch.Tensor) -> dict[str, torch.Tensor]:
         rows = s[..., 0].clamp(min=1)
-        out = {"rows": s[..., 0], "correct": s[..., 4], "ce": s[..., 1] / rows, "kl": s[..., 2] / rows,
-               "cap": s[..., 3] / s[..., 4].clamp(min=1), "accuracy": s[..., 4] / rows, "label_prob": s[..., 6] / rows}
+        out = {
+            "rows": s[..., 0],
+            "correct": s[..., 4],
+            "ce": s[..., 1] / rows,
+            "kl": s[..., 2] / rows,
+            "cap": s[..., 3] / s[..., 4].clamp(min=1),
+            "accuracy": s[..., 4] / rows,
+            "label_prob": s[..., 6] / rows,
+        }
         if has_teacher:
             out["agreement"] = s[..., 5] / rows
         return out

@@ -12,14 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def transform_logits(z: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
-    """The target's logit post-processing: multiply by ``logit_scale``, then ``softcap * tanh(z / softcap)``."""
-    if logit_scale != 1.0:
-        z = z * logit_scale
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    return z
+from .logits import transform_logits
 
 
 def reference_draft_loss(
@@ -64,8 +57,12 @@ def reference_draft_loss(
     cap = entropy[correct].mean() if correct.any() else entropy.sum() * 0
     if cap_weight > 0:
         loss = loss + cap_weight * cap
-    metrics = {"ce": ce.mean().detach(), "kl": kl.mean().detach(), "cap": cap.detach(),
-               "accuracy": correct.to(f).mean()}
+    metrics = {
+        "ce": ce.mean().detach(),
+        "kl": kl.mean().detach(),
+        "cap": cap.detach(),
+        "accuracy": correct.to(f).mean(),
+    }
     if zt is not None:
         metrics["agreement"] = (zs.argmax(-1) == zt.argmax(-1)).to(f).mean()
     return loss, metrics

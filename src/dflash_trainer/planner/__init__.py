@@ -5,17 +5,34 @@
     print(render_text(plan))
 
 ``formulas`` holds one named formula per thing that takes memory (mirroring the code), ``plan``
-assembles them per device and phase, ``report`` renders and wires the ``plan`` sub-command,
-``preflight`` is what ``dflash-train train`` runs first, ``measure`` measures real CPU steps.
+assembles them per device and phase, ``report`` renders a plan, ``preflight`` is what
+``dflash-train train`` runs first. ``benchmarks/planner_measure.py`` measures real CPU steps
+against it (a calibration tool, not part of the installed package).
 """
 
 from .formulas import DrafterDims, Workload, drafter_param_count, loss_workspace
 from .plan import DevicePlan, Item, Plan, Topology, make_plan
-from .report import add_plan_parser, plan_for_config, render_json, render_text, workload_from_config
+from .report import plan_for_config, render_json, render_text, workload_from_config
 from .shapes import GPU_PRESETS, TARGET_PRESETS, TargetShape, gpu_memory, load_target_shape, target_param_count
 
 __all__ = [
-    "GPU_PRESETS", "TARGET_PRESETS", "DevicePlan", "DrafterDims", "Item", "Plan", "TargetShape", "Topology", "Workload",
-    "add_plan_parser", "drafter_param_count", "gpu_memory", "load_target_shape", "loss_workspace", "make_plan",
-    "plan_for_config", "render_json", "render_text", "target_param_count", "workload_from_config",
+    "GPU_PRESETS",
+    "TARGET_PRESETS",
+    "DevicePlan",
+    "DrafterDims",
+    "Item",
+    "Plan",
+    "TargetShape",
+    "Topology",
+    "Workload",
+    "drafter_param_count",
+    "gpu_memory",
+    "load_target_shape",
+    "loss_workspace",
+    "make_plan",
+    "plan_for_config",
+    "render_json",
+    "render_text",
+    "target_param_count",
+    "workload_from_config",
 ]

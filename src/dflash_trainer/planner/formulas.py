@@ -113,6 +113,7 @@ class DrafterDims:
 
 # -- parameters -----------------------------------------------------------------------------------
 
+
 def drafter_layer_params(d: DrafterDims) -> int:
     """``DrafterLayer``: q/k/v/o projections, q_norm and k_norm (head_dim each), SwiGLU MLP, two RMSNorms."""
     h = d.hidden
@@ -155,6 +156,7 @@ def drafter_largest_param(d: DrafterDims, num_features: int) -> int:
 
 # -- target ---------------------------------------------------------------------------------------
 
+
 def target_weight_bytes(params: int, w: Workload) -> int:
     return params * w.t
 
@@ -173,7 +175,7 @@ def target_attention_mask_bytes(s: TargetShape, w: Workload) -> int:
     """Packed rows through HF's ``sdpa`` attention: ``create_causal_mask`` builds a boolean ``[L, L]``
     mask from the position ids (several documents per row). Targets that run each document on its own
     (``packs_documents`` False) and one-document rows take the ``is_causal`` path and build none."""
-    return w.seq_len ** 2 if _target_masked(s, w) else 0
+    return w.seq_len**2 if _target_masked(s, w) else 0
 
 
 def _target_masked(s: TargetShape, w: Workload) -> bool:
@@ -183,7 +185,7 @@ def _target_masked(s: TargetShape, w: Workload) -> bool:
 def target_mask_conversion_bytes(s: TargetShape, w: Workload) -> int:
     """Inside every attention layer, SDPA turns the boolean mask into an additive one in the query dtype
     (``aten.where``, ``[L, L] x t``), alive during that layer's attention."""
-    return w.seq_len ** 2 * w.t if _target_masked(s, w) else 0
+    return w.seq_len**2 * w.t if _target_masked(s, w) else 0
 
 
 def cpu_flash_workspace(q_len: int, kv_len: int, kv_heads: int, head_dim: int, dtype_bytes: int, threads: int) -> int:
@@ -239,8 +241,14 @@ def target_layer_transient(s: TargetShape, w: Workload, kind: str, cpu_threads: 
         # transformers' sdpa integration repeats K and V to every head when a mask is given (no GQA path)
         repeat = 2 * L * qd * t if _target_masked(s, w) else 0
         kv_heads = s.num_heads if repeat else s.num_kv_heads
-        attn = (qkv + repeat + target_mask_conversion_bytes(s, w) + L * qd * t + s.num_heads * L * 4
-                + cpu_flash_workspace(L, L, kv_heads, s.head_dim, t, cpu_threads))
+        attn = (
+            qkv
+            + repeat
+            + target_mask_conversion_bytes(s, w)
+            + L * qd * t
+            + s.num_heads * L * 4
+            + cpu_flash_workspace(L, L, kv_heads, s.head_dim, t, cpu_threads)
+        )
         mixer = normed + max(project, rope, attn)
     return max(mixer, mlp, _rmsnorm_transient(L, h, t))
 
@@ -267,11 +275,16 @@ def target_forward_peak(s: TargetShape, w: Workload, layer_ids: list[int], cpu_t
     end = fixed + L * h * t * (2 * k + (2 if w.need_teacher else 0))  # captured + context (+ final norm in/out)
     mask = target_attention_mask_bytes(s, w)
     if end > peak_total:
-        return {"activations": fixed + (2 * L * h * t if w.need_teacher else 0), "captured": 2 * k * L * h * t, "mask": mask}
+        return {
+            "activations": fixed + (2 * L * h * t if w.need_teacher else 0),
+            "captured": 2 * k * L * h * t,
+            "mask": mask,
+        }
     return {"activations": peak_act, "captured": peak_total - peak_act, "mask": mask}
 
 
 # -- drafter activations --------------------------------------------------------------------------
+
 
 def _norm_saved(rows: int, width: int, in_bytes: int, input_saved_elsewhere: bool, needs_grad_in: bool = True) -> int:
     """``drafter.RMSNorm`` in training: ``x.float()`` (a copy when x is not fp32), ``rsqrt`` ``[rows]`` and
@@ -402,8 +415,9 @@ def mask_build_transient(w: Workload) -> int:
     return w.queries * w.keys
 
 
-def layer_backward_peak(d: DrafterDims, w: Workload, saved: dict[str, int], below_has_ctx_grad: bool,
-                        cpu_threads: int = 0) -> int:
+def layer_backward_peak(
+    d: DrafterDims, w: Workload, saved: dict[str, int], below_has_ctx_grad: bool, cpu_threads: int = 0
+) -> int:
     """Peak of one layer's backward (its own saved tensors plus gradients), in the order autograd runs it:
 
     - MLP: everything the layer saved is still alive; ``down_proj``'s backward frees its input (the
@@ -423,13 +437,20 @@ def layer_backward_peak(d: DrafterDims, w: Workload, saved: dict[str, int], belo
     acc = L * h * 4 if below_has_ctx_grad else 0
     mlp = total + 2 * Q * d.intermediate * c + (h * d.intermediate * c if w.autocast else 0) + grad_x + acc
     after_mlp = total - saved["mlp"] - saved["residual + post norm"] - saved["layer output"]
-    attn = (after_mlp + Q * d.qd * c + 2 * d.kv_heads * K * d.head_dim * c + grad_x + acc
-            + cpu_flash_workspace(Q, K, d.kv_heads, d.head_dim, c, cpu_threads))
+    attn = (
+        after_mlp
+        + Q * d.qd * c
+        + 2 * d.kv_heads * K * d.head_dim * c
+        + grad_x
+        + acc
+        + cpu_flash_workspace(Q, K, d.kv_heads, d.head_dim, c, cpu_threads)
+    )
     ctx = saved["context keys/values"] + 2 * L * h * 4 + 4 * L * d.kvd * 4 + L * d.kvd * (4 + c)
     return max(mlp, attn, ctx)
 
 
 # -- loss -----------------------------------------------------------------------------------------
+
 
 def loss_workspace(w: Workload, vocab: int, hidden: int, chunk: int, correct_fraction: float = 1.0) -> dict[str, int]:
     """The fused loss (``loss/fused.py``) on ``n = loss_rows`` rows in chunks of ``c`` rows.
@@ -496,12 +517,15 @@ def chunk_for_budget(w: Workload, vocab: int, hidden: int, budget: int, correct_
 
 # -- the pipeline without this project's fixes (--naive) ------------------------------------------
 
+
 def naive_target_extra(s: TargetShape, w: Workload) -> dict[str, int]:
     """HF ``model(..., output_hidden_states=True)`` on a packed row: logits over all L positions
     (``[L, V]`` in the target dtype; DESIGN.md section 1 item 1) and every layer's hidden state kept."""
     L = w.seq_len
-    return {"target logits [L x V]": L * s.vocab_size * w.t,
-            "all hidden states (output_hidden_states)": (s.num_layers + 1) * L * s.hidden_size * w.t}
+    return {
+        "target logits [L x V]": L * s.vocab_size * w.t,
+        "all hidden states (output_hidden_states)": (s.num_layers + 1) * L * s.hidden_size * w.t,
+    }
 
 
 def naive_drafter_extra(s: TargetShape, w: Workload) -> dict[str, int]:

@@ -110,12 +110,14 @@ def _runtime(topo: Topology) -> int:
 def _target_layer_ids(s: TargetShape, w: F.Workload, layer_ids: list[int] | None) -> list[int]:
     if layer_ids:
         return list(layer_ids)
-    from ..target import default_layer_ids
+    from ..model.target import default_layer_ids
 
     return default_layer_ids(s.num_layers, w.num_features)
 
 
-def _device(role, count, topo, phases: dict[str, dict[str, int]], order: list[str], notes: dict[str, str]) -> DevicePlan:
+def _device(
+    role, count, topo, phases: dict[str, dict[str, int]], order: list[str], notes: dict[str, str]
+) -> DevicePlan:
     totals = {p: sum(v.values()) for p, v in phases.items()}
     peak_phase = max(totals, key=lambda p: totals[p])
     live = phases[peak_phase]
@@ -125,24 +127,45 @@ def _device(role, count, topo, phases: dict[str, dict[str, int]], order: list[st
             largest[k] = max(largest.get(k, 0), b)
     items = [Item(k, live.get(k, largest.get(k, 0)), notes.get(k, "")) for k in order if largest.get(k, 0)]
     peak = totals[peak_phase]
-    return DevicePlan(role=role, count=count, capacity=topo.memory, device_name=topo.device_name, items=items,
-                      phases=totals, peak_phase=peak_phase, peak=peak, runtime=_runtime(topo),
-                      margin=_margin(peak, topo), in_peak={k for k, b in live.items() if b})
+    return DevicePlan(
+        role=role,
+        count=count,
+        capacity=topo.memory,
+        device_name=topo.device_name,
+        items=items,
+        phases=totals,
+        peak_phase=peak_phase,
+        peak=peak,
+        runtime=_runtime(topo),
+        margin=_margin(peak, topo),
+        in_peak={k for k, b in live.items() if b},
+    )
 
 
-def target_phases(s: TargetShape, w: F.Workload, layer_ids: list[int], naive: bool, cpu_threads: int = 0) -> dict[str, int]:
+def target_phases(
+    s: TargetShape, w: F.Workload, layer_ids: list[int], naive: bool, cpu_threads: int = 0
+) -> dict[str, int]:
     fwd = F.target_forward_peak(s, w, layer_ids, cpu_threads)
-    out = {"target weights": F.target_weight_bytes(target_param_count(s), w),
-           "target activations (body-only forward)": fwd["activations"],
-           "captured hidden states": fwd["captured"],
-           "attention mask (packed rows, sdpa)": fwd["mask"]}
+    out = {
+        "target weights": F.target_weight_bytes(target_param_count(s), w),
+        "target activations (body-only forward)": fwd["activations"],
+        "captured hidden states": fwd["captured"],
+        "attention mask (packed rows, sdpa)": fwd["mask"],
+    }
     if naive:
         out.update(F.naive_target_extra(s, w))
     return out
 
 
-def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[int], chunk: int,
-                   naive: bool = False, correct_fraction: float = 1.0) -> dict[str, dict[str, int]]:
+def drafter_phases(
+    s: TargetShape,
+    w: F.Workload,
+    topo: Topology,
+    layer_ids: list[int],
+    chunk: int,
+    naive: bool = False,
+    correct_fraction: float = 1.0,
+) -> dict[str, dict[str, int]]:
     """Per phase, the bytes of every item alive in it (see the module docstring)."""
     d = F.DrafterDims.of(s)
     dev = topo.device
@@ -152,8 +175,11 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
     tensors = F.drafter_param_tensors(w.drafter_layers)
     grads = 4 * params
     static = {
-        "target weights" if colocated else "target embedding + lm_head (frozen)":
-            F.target_weight_bytes(target_param_count(s), w) if colocated else F.target_head_and_embedding_bytes(s, w),
+        "target weights" if colocated else "target embedding + lm_head (frozen)": F.target_weight_bytes(
+            target_param_count(s), w
+        )
+        if colocated
+        else F.target_head_and_embedding_bytes(s, w),
         "drafter weights (fp32)": 4 * params,
         "optimizer states (AdamW, fp32)": F.optimizer_state_bytes(params, tensors),
         "packed row, anchors, blocks": 8 * (4 * L + 8 * Q),
@@ -190,8 +216,10 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
 
     phases: dict[str, dict[str, int]] = {}
     if colocated:
-        phases["target forward"] = {**static, **{k: v for k, v in target_phases(s, w, layer_ids, False, topo.threads).items()
-                                                  if k != "target weights"}}
+        phases["target forward"] = {
+            **static,
+            **{k: v for k, v in target_phases(s, w, layer_ids, False, topo.threads).items() if k != "target weights"},
+        }
     # drafter forward: the stem, then layer by layer (the peak is at the last layer unless the stem's
     # temporaries dominate).
     base_fwd = {**static, **features, mask_name: masks}
@@ -201,8 +229,13 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
     for i in range(w.drafter_layers):
         cum += kept[i]
         ckpt_extra = F.checkpointed_layer_forward(d, w) if w.activation_checkpointing else 0
-        cand = dict(base_fwd, **{act_name: cum + (sum(copies[: i + 1]) if w.activation_checkpointing else 0) + fc_cast,
-                                 tmp_name: lt + ckpt_extra})
+        cand = dict(
+            base_fwd,
+            **{
+                act_name: cum + (sum(copies[: i + 1]) if w.activation_checkpointing else 0) + fc_cast,
+                tmp_name: lt + ckpt_extra,
+            },
+        )
         if sum(cand.values()) > sum(best.values()):
             best = cand
     phases["drafter forward"] = best
@@ -211,8 +244,12 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
     if w.activation_checkpointing:  # checkpoint inputs: the masks and the first layer's (no-grad) input
         saved_all += masks + Q * h * 4
     loss_ws = F.loss_workspace(w, d.vocab, h, chunk, correct_fraction)
-    loss = {**static, act_name: saved_all, "loss inputs (hidden cast, teacher rows)": F.loss_inputs_bytes(w, h),
-            "fused loss workspace": sum(loss_ws.values())}
+    loss = {
+        **static,
+        act_name: saved_all,
+        "loss inputs (hidden cast, teacher rows)": F.loss_inputs_bytes(w, h),
+        "fused loss workspace": sum(loss_ws.values()),
+    }
     if retained:
         loss["context features (kept by the graph)"] = retained
     phases["loss"] = loss
@@ -220,8 +257,9 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
     # backward: loss backward, then the layers from last to first (recomputed when checkpointed).
     bwd_base = {**static, **({"context features (kept by the graph)": retained} if retained else {})}
     grad_layers = [4 * F.drafter_layer_params(d)] * w.drafter_layers
-    start = dict(bwd_base, **{act_name: saved_all, "fused loss workspace": loss_ws["dh"],
-                              tmp_name: F.loss_backward_bytes(w, h)})
+    start = dict(
+        bwd_base, **{act_name: saved_all, "fused loss workspace": loss_ws["dh"], tmp_name: F.loss_backward_bytes(w, h)}
+    )
     best = start
     g_so_far = 4 * h if w.grad_accum == 1 else 0  # the final norm's weight gradient
     ckpt_inputs = (masks + Q * h * 4) if w.activation_checkpointing else 0
@@ -229,20 +267,30 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
         below = stem_b + sum(kept[:j]) + ckpt_inputs  # a checkpointed layer is recomputed in full first
         own = F.layer_backward_peak(d, w, layers[j], j < w.drafter_layers - 1, topo.threads)
         g_here = g_so_far + grad_layers[j]
-        cand = dict(bwd_base, **{act_name: below, tmp_name: own,
-                                 "gradients (fp32)": g_here if w.grad_accum == 1 else grads})
+        cand = dict(
+            bwd_base, **{act_name: below, tmp_name: own, "gradients (fp32)": g_here if w.grad_accum == 1 else grads}
+        )
         if sum(cand.values()) > sum(best.values()):
             best = cand
         g_so_far = g_here
-    stem_bwd = dict(bwd_base, **{act_name: stem_b, "gradients (fp32)": grads,
-                                 tmp_name: L * h * 4 + L * h * w.c + w.num_features * h * h * (w.c + 4)})
+    stem_bwd = dict(
+        bwd_base,
+        **{
+            act_name: stem_b,
+            "gradients (fp32)": grads,
+            tmp_name: L * h * 4 + L * h * w.c + w.num_features * h * h * (w.c + 4),
+        },
+    )
     if sum(stem_bwd.values()) > sum(best.values()):
         best = stem_bwd
     phases["backward"] = best
 
     largest = F.drafter_largest_param(d, w.num_features)
-    phases["optimizer"] = {**static, "gradients (fp32)": grads,
-                           tmp_name: F.optimizer_step_transient(params, largest, dev)}
+    phases["optimizer"] = {
+        **static,
+        "gradients (fp32)": grads,
+        tmp_name: F.optimizer_step_transient(params, largest, dev),
+    }
     if naive:  # the loss on materialized [N, V] tensors replaces the fused loss
         for name in ("fused loss workspace", "loss inputs (hidden cast, teacher rows)"):
             phases["loss"].pop(name, None)
@@ -251,12 +299,24 @@ def drafter_phases(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: lis
 
 
 _DRAFTER_ORDER = [
-    "target weights", "target embedding + lm_head (frozen)", "target activations (body-only forward)",
-    "captured hidden states", "attention mask (packed rows, sdpa)", "context features (received)",
-    "next row's features (in flight)", "context features (kept by the graph)", "drafter weights (fp32)",
-    "gradients (fp32)", "DDP gradient buckets", "optimizer states (AdamW, fp32)",
-    "drafter activations (saved for backward)", "attention masks (dense [Q, L+Q])", "attention block masks (flex)",
-    "loss inputs (hidden cast, teacher rows)", "fused loss workspace", "temporaries (largest step)",
+    "target weights",
+    "target embedding + lm_head (frozen)",
+    "target activations (body-only forward)",
+    "captured hidden states",
+    "attention mask (packed rows, sdpa)",
+    "context features (received)",
+    "next row's features (in flight)",
+    "context features (kept by the graph)",
+    "drafter weights (fp32)",
+    "gradients (fp32)",
+    "DDP gradient buckets",
+    "optimizer states (AdamW, fp32)",
+    "drafter activations (saved for backward)",
+    "attention masks (dense [Q, L+Q])",
+    "attention block masks (flex)",
+    "loss inputs (hidden cast, teacher rows)",
+    "fused loss workspace",
+    "temporaries (largest step)",
     "packed row, anchors, blocks",
 ]
 _NOTES = {
@@ -268,8 +328,11 @@ _NOTES = {
 
 
 def _forward_note(s: TargetShape, w: F.Workload, layer_ids: list[int]) -> str:
-    where = (f"all {s.num_layers} layers + final norm (teacher states needed)" if w.need_teacher_layers else
-             f"early exit after layer {max(layer_ids)} of {s.num_layers}")
+    where = (
+        f"all {s.num_layers} layers + final norm (teacher states needed)"
+        if w.need_teacher_layers
+        else f"early exit after layer {max(layer_ids)} of {s.num_layers}"
+    )
     doc = "" if s.packs_documents else ", one document at a time (linear attention; torch fallback priced)"
     return f"body only, no lm_head; {where}{doc}"
 
@@ -279,20 +342,29 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
     order = list(_DRAFTER_ORDER)
     for v in phases.values():
         order += [k for k in v if k not in order]
-    role = "drafter GPU" if topo.target_gpus else ("device (target + drafter)" if topo.device == "cuda" else
-                                                   "CPU (target + drafter)")
+    role = (
+        "drafter GPU"
+        if topo.target_gpus
+        else ("device (target + drafter)" if topo.device == "cuda" else "CPU (target + drafter)")
+    )
     notes = dict(_NOTES)
     d = F.DrafterDims.of(s)
-    notes["drafter weights (fp32)"] = f"{F.drafter_param_count(d, w.drafter_layers, w.num_features) / 1e9:.2f} B parameters"
+    notes["drafter weights (fp32)"] = (
+        f"{F.drafter_param_count(d, w.drafter_layers, w.num_features) / 1e9:.2f} B parameters"
+    )
     notes["fused loss workspace"] = f"chunks of {min(chunk, w.loss_rows)} rows over {w.loss_rows:,} rows"
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     notes["temporaries (largest step)"] = {
-        "target forward": "", "drafter forward": "inside one layer's forward",
-        "loss": "", "backward": "one layer's backward" + (" (recomputed first)" if w.activation_checkpointing else ""),
-        "optimizer": "AdamW's step"}.get(peak_phase, "")
+        "target forward": "",
+        "drafter forward": "inside one layer's forward",
+        "loss": "",
+        "backward": "one layer's backward" + (" (recomputed first)" if w.activation_checkpointing else ""),
+        "optimizer": "AdamW's step",
+    }.get(peak_phase, "")
     notes["drafter activations (saved for backward)"] = (
         f"{w.drafter_layers} layers, {w.queries:,} queries x {w.keys:,} keys"
-        + (", checkpointed" if w.activation_checkpointing else ""))
+        + (", checkpointed" if w.activation_checkpointing else "")
+    )
     notes["target weights"] = f"{target_param_count(s) / 1e9:.2f} B parameters, {w.target_dtype}"
     notes["target activations (body-only forward)"] = _forward_note(s, w, layer_ids)
     return _device(role, topo.drafter_gpus, topo, phases, order, notes)
@@ -312,8 +384,9 @@ def usable_for_peak(topo: Topology) -> int:
     return int((topo.memory - _runtime(topo)) / (1 + topo.allocator_margin))
 
 
-def derive_chunk(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[int],
-                 correct_fraction: float = 1.0) -> tuple[int, int]:
+def derive_chunk(
+    s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[int], correct_fraction: float = 1.0
+) -> tuple[int, int]:
     """``(chunk, largest fitting chunk)``: the loss chunk the planner picks when none is configured (the
     largest that fits, at most ``MAX_DERIVED_CHUNK`` and the number of loss rows) and the largest chunk
     whose workspace fits next to everything else at the loss phase (0 if none does)."""
@@ -326,8 +399,16 @@ def derive_chunk(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[
     return max(1, chunk), fit
 
 
-def make_plan(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[int] | None = None, *,
-              naive: bool = False, correct_fraction: float = 1.0, recommend: bool = True) -> Plan:
+def make_plan(
+    s: TargetShape,
+    w: F.Workload,
+    topo: Topology,
+    layer_ids: list[int] | None = None,
+    *,
+    naive: bool = False,
+    correct_fraction: float = 1.0,
+    recommend: bool = True,
+) -> Plan:
     """The plan of one configuration on one topology, with a recommendation when something does not fit."""
     ids = _target_layer_ids(s, w, layer_ids)
     if w.chunk_size is not None:
@@ -341,10 +422,14 @@ def make_plan(s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[int
     devices.append(drafter_device_plan(s, w, topo, ids, chunk, naive, correct_fraction))
     plan = Plan(s, w, topo, devices, chunk, source, naive)
     if topo.device == "cpu" and w.attention_backend == "flex":
-        plan.notes.append("FlexAttention has no backward pass on CPU: train on CPU with drafter.attention_backend=dense")
+        plan.notes.append(
+            "FlexAttention has no backward pass on CPU: train on CPU with drafter.attention_backend=dense"
+        )
     if w.attention_backend == "dense" and topo.device == "cuda":
-        plan.notes.append("dense attention on CUDA (mask + grouped KV heads) takes SDPA's math path, which keeps the "
-                          "[heads, Q, L+Q] probabilities: use drafter.attention_backend=flex on GPUs")
+        plan.notes.append(
+            "dense attention on CUDA (mask + grouped KV heads) takes SDPA's math path, which keeps the "
+            "[heads, Q, L+Q] probabilities: use drafter.attention_backend=flex on GPUs"
+        )
     if recommend and not naive:
         plan.recommendations = recommendations(plan, ids, fit)
     return plan
@@ -390,18 +475,26 @@ def recommendations(plan: Plan, ids: list[int], fit_chunk: int | None) -> list[s
         if best >= max(1, w.seq_len // w.block_size):
             out.append(f"headroom: even an anchor at every position fits ({best:,} x block {w.block_size})")
         elif best >= upper:
-            out.append(f"headroom: at least {best:,} anchors x block {w.block_size} ({best * w.block_size:,} positions) fit")
+            out.append(
+                f"headroom: at least {best:,} anchors x block {w.block_size} ({best * w.block_size:,} positions) fit"
+            )
         else:
-            out.append(f"headroom: up to data.max_anchors={best:,} x block {w.block_size} "
-                       f"({best * w.block_size:,} positions) fits")
+            out.append(
+                f"headroom: up to data.max_anchors={best:,} x block {w.block_size} "
+                f"({best * w.block_size:,} positions) fits"
+            )
     else:
         if best:
-            out.append(f"largest that fits: data.max_anchors={best} with block {w.block_size} "
-                       f"({best * w.block_size:,} positions)")
+            out.append(
+                f"largest that fits: data.max_anchors={best} with block {w.block_size} "
+                f"({best * w.block_size:,} positions)"
+            )
         if not w.activation_checkpointing:
             ckpt = replace(w, activation_checkpointing=True)
             if _fits(s, ckpt, topo, ids):
-                out.append("fits as configured with activation checkpointing: --set drafter.activation_checkpointing=true")
+                out.append(
+                    "fits as configured with activation checkpointing: --set drafter.activation_checkpointing=true"
+                )
             else:
                 best_ckpt = largest_anchors(s, ckpt, topo, ids, upper)
                 if best_ckpt > best:
@@ -413,13 +506,18 @@ def recommendations(plan: Plan, ids: list[int], fit_chunk: int | None) -> list[s
         probe = replace(w, chunk_size=None)
         _, fit_chunk = derive_chunk(s, probe, topo, ids)
     if fit_chunk:
-        out.append(f"loss chunk: up to {min(fit_chunk, w.loss_rows):,} rows keep the loss within the memory left "
-                   f"(loss.chunk_size; planner default {min(fit_chunk, w.loss_rows, MAX_DERIVED_CHUNK):,})")
+        out.append(
+            f"loss chunk: up to {min(fit_chunk, w.loss_rows):,} rows keep the loss within the memory left "
+            f"(loss.chunk_size; planner default {min(fit_chunk, w.loss_rows, MAX_DERIVED_CHUNK):,})"
+        )
     else:
         out.append("loss chunk: no chunk size fits; the rest of the loss phase already exceeds the device")
     for dev in plan.devices:
         if dev.role == "target GPU" and not dev.fits:
             sl = largest_seq_len(s, w, topo, ids)
-            out.append(f"target GPU: the longest packed row that fits is data.seq_len={sl:,}" if sl else
-                       "target GPU: the target's weights alone do not fit; use a larger GPU")
+            out.append(
+                f"target GPU: the longest packed row that fits is data.seq_len={sl:,}"
+                if sl
+                else "target GPU: the target's weights alone do not fit; use a larger GPU"
+            )
     return out

@@ -21,19 +21,27 @@ def process_topology(cfg) -> Topology:
     """Where this process trains: target and drafter together, on the CPU (the trainer moves nothing to a GPU)."""
     import torch
 
-    return Topology(memory=available_ram(), device_name="this machine's RAM (available)", device="cpu",
-                    target_gpus=0, drafter_gpus=1, allocator_margin=cfg.topology.allocator_margin,
-                    cpu_threads=torch.get_num_threads())
+    return Topology(
+        memory=available_ram(),
+        device_name="this machine's RAM (available)",
+        device="cpu",
+        target_gpus=0,
+        drafter_gpus=1,
+        allocator_margin=cfg.topology.allocator_margin,
+        cpu_threads=torch.get_num_threads(),
+    )
 
 
 def plan_this_process(cfg, topology: Topology | None = None) -> Plan:
-    from ..target_loading import resolve_target_path
+    from ..model.loading import resolve_target_path
 
     folder = resolve_target_path(cfg.target.path)  # the same clear error as loading would give
     shape = load_target_shape(str(folder))
     if cfg.target.layer_ids and any(not 0 <= i < shape.num_layers for i in cfg.target.layer_ids):
-        raise UserError(f"target.layer_ids {cfg.target.layer_ids} are out of range for the {shape.num_layers}-layer "
-                        f"target at {folder}")
+        raise UserError(
+            f"target.layer_ids {cfg.target.layer_ids} are out of range for the {shape.num_layers}-layer "
+            f"target at {folder}"
+        )
     return make_plan(shape, workload_from_config(cfg), topology or process_topology(cfg), cfg.target.layer_ids)
 
 
@@ -44,19 +52,27 @@ def preflight(cfg, *, topology: Topology | None = None, out=None):
     plan = plan_this_process(cfg, topology)
     dev = plan.devices[-1]
     if cfg.topology.target_gpus or cfg.topology.gpu != "auto":
-        print("preflight: this trainer runs the target and the drafter in one process on the CPU; the topology "
-              "section (GPUs) is what `dflash-train plan` prices", file=out)
+        print(
+            "preflight: this trainer runs the target and the drafter in one process on the CPU; the topology "
+            "section (GPUs) is what `dflash-train plan` prices",
+            file=out,
+        )
     if not plan.fits:
         out.write(render_text(plan))
-        msg = (f"preflight: the planner predicts {dev.total / GB:.2f} GB at the {dev.peak_phase} phase, more than the "
-               f"{dev.capacity / GB:.2f} GB available on {plan.topology.device_name.split(' (')[0]}; see the plan above")
+        msg = (
+            f"preflight: the planner predicts {dev.total / GB:.2f} GB at the {dev.peak_phase} phase, more than the "
+            f"{dev.capacity / GB:.2f} GB available on {plan.topology.device_name.split(' (')[0]}; see the plan above"
+        )
         if cfg.topology.preflight:
             raise UserError(msg + " (set topology.preflight=false to run anyway)")
         print(f"warning: {msg}; topology.preflight is false, running anyway", file=out)
     else:
-        print(f"preflight: predicted peak {dev.total / GB:.2f} GB at the {dev.peak_phase} phase, of "
-              f"{dev.capacity / GB:.2f} GB available; loss chunk {plan.chunk:,} rows"
-              + (" (derived; set loss.chunk_size to choose)" if cfg.loss.chunk_size is None else ""), file=out)
+        print(
+            f"preflight: predicted peak {dev.total / GB:.2f} GB at the {dev.peak_phase} phase, of "
+            f"{dev.capacity / GB:.2f} GB available; loss chunk {plan.chunk:,} rows"
+            + (" (derived; set loss.chunk_size to choose)" if cfg.loss.chunk_size is None else ""),
+            file=out,
+        )
     if cfg.loss.chunk_size is None:
         cfg = cfg.model_copy(deep=True)
         cfg.loss.chunk_size = plan.chunk

@@ -1,20 +1,16 @@
 """``dflash-train plan``: resolve a run's config, target and topology; render the plan as a table or JSON.
 
-    dflash-train plan --config ddtree-experiment                     # the preset's own topology
-    dflash-train plan --config baseline-v6 --gpu h100 --target-gpus 7
-    dflash-train plan --config ddtree-experiment --naive             # without this project's fixes
-    dflash-train plan --target qwen3-8b --gpu 80 --set data.max_anchors=2048 --json
+dflash-train plan --config ddtree-experiment                     # the preset's own topology
+dflash-train plan --config baseline-v6 --gpu h100 --target-gpus 7
+dflash-train plan --config ddtree-experiment --naive             # without this project's fixes
+dflash-train plan --target qwen3-8b --gpu 80 --set data.max_anchors=2048 --json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 from dataclasses import asdict
 
-from ..config.cli_args import add_config_args, resolve_config
 from ..errors import UserError
 from . import formulas as F
 from .plan import Plan, Topology, make_plan
@@ -25,13 +21,25 @@ def workload_from_config(cfg) -> F.Workload:
     """The planner's view of a ``RunConfig``."""
     d, lo, tr = cfg.drafter, cfg.loss, cfg.train
     return F.Workload(
-        seq_len=cfg.data.seq_len, max_anchors=cfg.data.max_anchors, block_size=d.block_size,
-        num_features=cfg.target.num_feature_layers, drafter_layers=d.num_layers,
-        sliding_window_layers=tuple(d.sliding_window_layers), causal_in_block_sliding=d.causal_in_block_sliding,
-        attention_backend=d.attention_backend, train_dtype=tr.dtype, target_dtype=cfg.target.dtype,
-        noise=d.noise != "none" and d.noise_scale > 0, kl_weight=lo.kl_weight, temperature=lo.temperature,
-        cap_weight=lo.cap_weight, cap_temperature=lo.cap_temperature, labels=lo.labels, chunk_size=lo.chunk_size,
-        grad_accum=tr.grad_accum, activation_checkpointing=d.activation_checkpointing,
+        seq_len=cfg.data.seq_len,
+        max_anchors=cfg.data.max_anchors,
+        block_size=d.block_size,
+        num_features=cfg.target.num_feature_layers,
+        drafter_layers=d.num_layers,
+        sliding_window_layers=tuple(d.sliding_window_layers),
+        causal_in_block_sliding=d.causal_in_block_sliding,
+        attention_backend=d.attention_backend,
+        train_dtype=tr.dtype,
+        target_dtype=cfg.target.dtype,
+        noise=d.noise != "none" and d.noise_scale > 0,
+        kl_weight=lo.kl_weight,
+        temperature=lo.temperature,
+        cap_weight=lo.cap_weight,
+        cap_temperature=lo.cap_temperature,
+        labels=lo.labels,
+        chunk_size=lo.chunk_size,
+        grad_accum=tr.grad_accum,
+        activation_checkpointing=d.activation_checkpointing,
         need_teacher_layers=lo.kl_weight > 0 or lo.labels == "teacher",
     )
 
@@ -40,8 +48,11 @@ def target_shape_for(cfg, override: str | None = None) -> TargetShape:
     """``--target``, else ``target.path`` ('tiny' or a model folder), else ``topology.target_model``."""
     spec = override or cfg.target.path or cfg.topology.target_model
     if spec is None:
-        raise UserError("no target to plan for: pass --target (built-in: " + ", ".join(TARGET_PRESETS)
-                        + "; or a model folder / config.json) or set target.path or topology.target_model")
+        raise UserError(
+            "no target to plan for: pass --target (built-in: "
+            + ", ".join(TARGET_PRESETS)
+            + "; or a model folder / config.json) or set target.path or topology.target_model"
+        )
     return load_target_shape(spec)
 
 
@@ -70,8 +81,9 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def topology_for(cfg, gpu: str | None = None, target_gpus: int | None = None,
-                 drafter_gpus: int | None = None) -> Topology:
+def topology_for(
+    cfg, gpu: str | None = None, target_gpus: int | None = None, drafter_gpus: int | None = None
+) -> Topology:
     t = cfg.topology
     spec = gpu if gpu is not None else t.gpu
     if spec == "auto":
@@ -83,18 +95,34 @@ def topology_for(cfg, gpu: str | None = None, target_gpus: int | None = None,
     dg = t.drafter_gpus if drafter_gpus is None else drafter_gpus
     if tg < 0 or dg < 1:
         raise UserError(f"--target-gpus must be >= 0 and --drafter-gpus >= 1, got {tg} and {dg}")
-    return Topology(memory=memory, device_name=name, device=device, target_gpus=tg, drafter_gpus=dg,
-                    allocator_margin=t.allocator_margin)
+    return Topology(
+        memory=memory,
+        device_name=name,
+        device=device,
+        target_gpus=tg,
+        drafter_gpus=dg,
+        allocator_margin=t.allocator_margin,
+    )
 
 
-def plan_for_config(cfg, *, target: str | None = None, gpu: str | None = None, target_gpus: int | None = None,
-                    drafter_gpus: int | None = None, naive: bool = False, topology: Topology | None = None) -> Plan:
+def plan_for_config(
+    cfg,
+    *,
+    target: str | None = None,
+    gpu: str | None = None,
+    target_gpus: int | None = None,
+    drafter_gpus: int | None = None,
+    naive: bool = False,
+    topology: Topology | None = None,
+) -> Plan:
     """Plan a resolved ``RunConfig`` (overrides as on the command line)."""
     shape = target_shape_for(cfg, target)
     if cfg.target.layer_ids:
         bad = [i for i in cfg.target.layer_ids if not 0 <= i < shape.num_layers]
         if bad:
-            raise UserError(f"target.layer_ids {bad} are out of range for the {shape.num_layers}-layer target {shape.name}")
+            raise UserError(
+                f"target.layer_ids {bad} are out of range for the {shape.num_layers}-layer target {shape.name}"
+            )
     topo = topology or topology_for(cfg, gpu, target_gpus, drafter_gpus)
     return make_plan(shape, workload_from_config(cfg), topo, cfg.target.layer_ids, naive=naive)
 
@@ -129,18 +157,28 @@ def render_text(plan: Plan) -> str:
     unit = _UNIT[1]
     lines = []
     kind = "pipeline WITHOUT this project's fixes (--naive)" if plan.naive else "memory plan"
-    lines.append(f"{kind}: target {s.name} ({s.num_layers} layers, hidden {s.hidden_size:,}, vocabulary "
-                 f"{s.vocab_size:,}, {w.target_dtype})")
-    where = (f"{topo.target_gpus} target GPU{'s' if topo.target_gpus > 1 else ''} + {topo.drafter_gpus} drafter GPU"
-             f"{'s' if topo.drafter_gpus > 1 else ''}" if topo.target_gpus else
-             f"target and drafter on one device{' (x' + str(topo.drafter_gpus) + ')' if topo.drafter_gpus > 1 else ''}")
+    lines.append(
+        f"{kind}: target {s.name} ({s.num_layers} layers, hidden {s.hidden_size:,}, vocabulary "
+        f"{s.vocab_size:,}, {w.target_dtype})"
+    )
+    where = (
+        f"{topo.target_gpus} target GPU{'s' if topo.target_gpus > 1 else ''} + {topo.drafter_gpus} drafter GPU"
+        f"{'s' if topo.drafter_gpus > 1 else ''}"
+        if topo.target_gpus
+        else f"target and drafter on one device{' (x' + str(topo.drafter_gpus) + ')' if topo.drafter_gpus > 1 else ''}"
+    )
     each = " each" if topo.target_gpus or topo.drafter_gpus > 1 else ""
     lines.append(f"topology: {where}; {topo.device_name}, {_gb(topo.memory)} {unit}{each}")
-    lines.append(f"step: rows of {w.seq_len:,} tokens, {w.max_anchors:,} anchors x block {w.block_size} = "
-                 f"{w.queries:,} query positions, {w.drafter_layers} drafter layers ({w.attention_backend} attention"
-                 f"{', checkpointed' if w.activation_checkpointing else ''}), {w.train_dtype} compute, {_terms(w)}; "
-                 + ("loss on full [positions x vocab] tensors" if plan.naive else
-                    f"loss chunk {plan.chunk:,} rows ({plan.chunk_source})"))
+    lines.append(
+        f"step: rows of {w.seq_len:,} tokens, {w.max_anchors:,} anchors x block {w.block_size} = "
+        f"{w.queries:,} query positions, {w.drafter_layers} drafter layers ({w.attention_backend} attention"
+        f"{', checkpointed' if w.activation_checkpointing else ''}), {w.train_dtype} compute, {_terms(w)}; "
+        + (
+            "loss on full [positions x vocab] tensors"
+            if plan.naive
+            else f"loss chunk {plan.chunk:,} rows ({plan.chunk_source})"
+        )
+    )
     for dev in plan.devices:
         lines.append("")
         head = f"{dev.role} (x{dev.count})" if dev.count > 1 else dev.role
@@ -152,20 +190,29 @@ def render_text(plan: Plan) -> str:
             lines.append(f"  {it.name:<45s}{_gb(it.bytes):>9s}{mark}  {it.note}".rstrip())
         if dev.runtime:
             lines.append(f"  {'CUDA runtime reserve':<45s}{_gb(dev.runtime):>9s}   context, cuBLAS/NCCL workspaces")
-        lines.append(f"  {'allocator margin':<45s}{_gb(dev.margin):>9s}   {topo.allocator_margin:.0%} of the tensor peak")
+        lines.append(
+            f"  {'allocator margin':<45s}{_gb(dev.margin):>9s}   {topo.allocator_margin:.0%} of the tensor peak"
+        )
         verdict = "fits" if dev.fits else "DOES NOT FIT"
-        lines.append(f"  {'total':<45s}{_gb(dev.total):>9s}   of {_gb(dev.capacity)} {unit}: {verdict} "
-                     f"({_gb(abs(dev.headroom))} {unit} {'free' if dev.fits else 'over'})")
+        lines.append(
+            f"  {'total':<45s}{_gb(dev.total):>9s}   of {_gb(dev.capacity)} {unit}: {verdict} "
+            f"({_gb(abs(dev.headroom))} {unit} {'free' if dev.fits else 'over'})"
+        )
         lines.append("  phases: " + ", ".join(f"{k} {_gb(v)}" for k, v in dev.phases.items()) + f" {unit} (tensors)")
         if starred:
             lines.append("  * not alive at the peak phase; its largest size in another phase")
     lines.append("")
     if plan.fits:
-        lines.append("verdict: FITS on every device" + (" (prediction; on GPUs nothing was measured)" if topo.device == "cuda" else ""))
+        lines.append(
+            "verdict: FITS on every device"
+            + (" (prediction; on GPUs nothing was measured)" if topo.device == "cuda" else "")
+        )
     else:
         bad = [d for d in plan.devices if not d.fits]
-        lines.append("verdict: DOES NOT FIT: " + "; ".join(f"{d.role} needs {_gb(d.total)} {unit} of "
-                                                         f"{_gb(d.capacity)} {unit}" for d in bad))
+        lines.append(
+            "verdict: DOES NOT FIT: "
+            + "; ".join(f"{d.role} needs {_gb(d.total)} {unit} of {_gb(d.capacity)} {unit}" for d in bad)
+        )
     for r in plan.recommendations:
         lines.append(f"  - {r}")
     for n in plan.notes:
@@ -176,65 +223,38 @@ def render_text(plan: Plan) -> str:
 def render_json(plan: Plan) -> dict:
     s = plan.target
     return {
-        "target": {"name": s.name, "model_type": s.model_type, "layers": s.num_layers, "hidden_size": s.hidden_size,
-                   "vocab_size": s.vocab_size, "parameters": target_param_count(s)},
+        "target": {
+            "name": s.name,
+            "model_type": s.model_type,
+            "layers": s.num_layers,
+            "hidden_size": s.hidden_size,
+            "vocab_size": s.vocab_size,
+            "parameters": target_param_count(s),
+        },
         "workload": asdict(plan.workload),
         "topology": asdict(plan.topology),
         "naive": plan.naive,
         "loss_chunk": plan.chunk,
         "loss_chunk_source": plan.chunk_source,
         "fits": plan.fits,
-        "devices": [{
-            "role": d.role, "count": d.count, "capacity_bytes": d.capacity, "peak_phase": d.peak_phase,
-            "phase_bytes": d.phases, "tensor_peak_bytes": d.peak, "runtime_bytes": d.runtime, "margin_bytes": d.margin,
-            "total_bytes": d.total, "fits": d.fits,
-            "items": [{"name": i.name, "bytes": i.bytes, "at_peak": i.name in d.in_peak, "note": i.note} for i in d.items],
-        } for d in plan.devices],
+        "devices": [
+            {
+                "role": d.role,
+                "count": d.count,
+                "capacity_bytes": d.capacity,
+                "peak_phase": d.peak_phase,
+                "phase_bytes": d.phases,
+                "tensor_peak_bytes": d.peak,
+                "runtime_bytes": d.runtime,
+                "margin_bytes": d.margin,
+                "total_bytes": d.total,
+                "fits": d.fits,
+                "items": [
+                    {"name": i.name, "bytes": i.bytes, "at_peak": i.name in d.in_peak, "note": i.note} for i in d.items
+                ],
+            }
+            for d in plan.devices
+        ],
         "recommendations": plan.recommendations,
         "notes": plan.notes,
     }
-
-
-# -- command line --------------------------------------------------------------------------------
-
-def _int_arg(name):
-    def parse(text):
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-
-    return parse
-
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``dflash-train plan`` on the CLI's sub-parsers (``func`` is set)."""
-    p = subparsers.add_parser("plan", help="predict the memory of a training run on each device, before launch")
-    add_config_args(p, default_preset=None)
-    p.add_argument("--target", default=None, metavar="PRESET|PATH",
-                   help=f"target to price: {', '.join(TARGET_PRESETS)}, tiny, a model folder or a config.json "
-                   "(default: target.path, else topology.target_model)")
-    p.add_argument("--gpu", default=None, metavar="PRESET|GB",
-                   help="memory per GPU: rtx-pro-6000, h100, h200, a100-80gb, l40s, or GB (default: topology.gpu)")
-    p.add_argument("--target-gpus", type=_int_arg("--target-gpus"), default=None, metavar="N",
-                   help="GPUs running target replicas; 0 = target on the drafter's device (default: topology.target_gpus)")
-    p.add_argument("--drafter-gpus", type=_int_arg("--drafter-gpus"), default=None, metavar="N",
-                   help="GPUs training the drafter (default: topology.drafter_gpus)")
-    p.add_argument("--naive", action="store_true",
-                   help="price the pipeline without this project's fixes (full logits, full-row verifier logits)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=cmd_plan)
-    return p
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-
-    cfg = resolve_config(args)
-    plan = plan_for_config(cfg, target=args.target, gpu=args.gpu, target_gpus=args.target_gpus,
-                           drafter_gpus=args.drafter_gpus, naive=args.naive)
-    if args.json:
-        json.dump(render_json(plan), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(render_text(plan))
-    return 0

@@ -16,38 +16,49 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config.gpus import GB, GPU_PRESETS, MIB, gpu_memory  # noqa: F401  (re-exported for the planner)
 from ..errors import UserError
-
-GB = 1e9
-MIB = 2**20
-
-# GPU memory as the driver reports it (nvidia-smi's MiB); the planner subtracts the CUDA context and an
-# allocator margin itself. Values are per GPU.
-GPU_PRESETS: dict[str, tuple[int, str]] = {
-    "rtx-pro-6000": (97_887 * MIB, "NVIDIA RTX PRO 6000 Blackwell (96 GB class)"),
-    "h100": (81_559 * MIB, "NVIDIA H100 80GB"),
-    "h200": (143_771 * MIB, "NVIDIA H200 141GB"),
-    "a100-80gb": (81_920 * MIB, "NVIDIA A100 80GB"),
-    "l40s": (46_068 * MIB, "NVIDIA L40S 48GB"),
-}
 
 _QWEN36_27B = {
     # Qwen3.6-27B class (DESIGN.md section 1): the Qwen3.5-27B text stack, 64 layers, hidden 5120,
     # vocabulary 248,320; 3 of every 4 layers are Gated DeltaNet (linear attention), 1 is gated softmax
     # attention. 26.9 B parameters, 53.8 GB in bf16 (the vision tower is not loaded by the trainer).
-    "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
-    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248_320,
-    "tie_word_embeddings": False, "full_attention_interval": 4, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+    "model_type": "qwen3_5_text",
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "vocab_size": 248_320,
+    "tie_word_embeddings": False,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
 }
 _QWEN3_8B = {
-    "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
-    "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000,
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000,
 }
 TARGET_PRESETS: dict[str, tuple[dict, str]] = {
-    "qwen3.6-27b": (_QWEN36_27B, "Qwen3.6-27B class: 64 layers (48 linear + 16 gated attention), hidden 5120, vocab 248,320"),
+    "qwen3.6-27b": (
+        _QWEN36_27B,
+        "Qwen3.6-27B class: 64 layers (48 linear + 16 gated attention), hidden 5120, vocab 248,320",
+    ),
     "qwen3-8b": (_QWEN3_8B, "Qwen3-8B: 36 layers, hidden 4096, vocab 151,936"),
 }
 
@@ -99,8 +110,10 @@ class TargetShape:
         c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         missing = [k for k in _REQUIRED if k not in c]
         if missing:
-            raise UserError(f"{name}: config.json lacks {', '.join(repr(k) for k in missing)} "
-                            "(needed to plan memory; is this a causal LM's config?)")
+            raise UserError(
+                f"{name}: config.json lacks {', '.join(repr(k) for k in missing)} "
+                "(needed to plan memory; is this a causal LM's config?)"
+            )
         for k in (*_REQUIRED, "num_key_value_heads", "head_dim"):
             v = c.get(k)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -117,12 +130,18 @@ class TargetShape:
         gated = bool(c.get("attn_output_gate", model_type.startswith(("qwen3_5", "qwen3_next"))))
         linear = "linear_attention" in types
         return cls(
-            name=name, model_type=model_type, num_layers=n, hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"], num_heads=heads,
+            name=name,
+            model_type=model_type,
+            num_layers=n,
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            vocab_size=c["vocab_size"],
+            num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-            layer_types=types, attn_output_gate=gated,
+            layer_types=types,
+            attn_output_gate=gated,
             linear_num_key_heads=c.get("linear_num_key_heads", 16) if linear else 0,
             linear_num_value_heads=c.get("linear_num_value_heads", 32) if linear else 0,
             linear_key_head_dim=c.get("linear_key_head_dim", 128) if linear else 0,
@@ -145,8 +164,10 @@ def load_target_shape(spec: str) -> TargetShape:
         if path.is_dir():
             path = path / "config.json"
     if not path.is_file():
-        raise UserError(f"target {spec!r}: no config.json at {path} (give a model folder, a config.json, 'tiny', "
-                        f"or a built-in target: {', '.join(TARGET_PRESETS)})")
+        raise UserError(
+            f"target {spec!r}: no config.json at {path} (give a model folder, a config.json, 'tiny', "
+            f"or a built-in target: {', '.join(TARGET_PRESETS)})"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -154,21 +175,8 @@ def load_target_shape(spec: str) -> TargetShape:
     return TargetShape.from_config(data, str(path))
 
 
-def gpu_memory(spec: str | int | float) -> tuple[int, str]:
-    """``(bytes, description)`` of a GPU preset name or a size in GB (decimal, e.g. ``95`` or ``"95"``)."""
-    if isinstance(spec, str) and spec.strip().lower() in GPU_PRESETS:
-        return GPU_PRESETS[spec.strip().lower()]
-    try:
-        gb = float(spec)
-    except (TypeError, ValueError):
-        raise UserError(f"unknown GPU {spec!r}: give a memory size in GB (e.g. 95) or one of "
-                        f"{', '.join(GPU_PRESETS)}") from None
-    if not gb > 0:
-        raise UserError(f"GPU memory must be > 0 GB, got {spec!r}")
-    return int(gb * GB), f"{gb:g} GB device"
-
-
 # -- parameter counts ------------------------------------------------------------------------------
+
 
 def full_attention_params(s: TargetShape) -> int:
     """q (x2 with the output gate), k, v, o projections and the per-head q/k norms of one attention layer."""
@@ -183,15 +191,24 @@ def linear_attention_params(s: TargetShape) -> int:
     value_dim = s.linear_num_value_heads * s.linear_value_head_dim
     conv_dim = 2 * key_dim + value_dim
     nv, h = s.linear_num_value_heads, s.hidden_size
-    return (h * conv_dim + h * value_dim + 2 * h * nv + conv_dim * s.linear_conv_kernel_dim + 2 * nv
-            + s.linear_value_head_dim + value_dim * h)
+    return (
+        h * conv_dim
+        + h * value_dim
+        + 2 * h * nv
+        + conv_dim * s.linear_conv_kernel_dim
+        + 2 * nv
+        + s.linear_value_head_dim
+        + value_dim * h
+    )
 
 
 def target_param_count(s: TargetShape) -> int:
     """Embedding, lm_head (unless tied), every decoder layer (mixer + SwiGLU MLP + two norms), final norm."""
     h = s.hidden_size
     mlp = 3 * h * s.intermediate_size
-    layers = sum((linear_attention_params(s) if t == "linear_attention" else full_attention_params(s)) + mlp + 2 * h
-                 for t in s.layer_types)
+    layers = sum(
+        (linear_attention_params(s) if t == "linear_attention" else full_attention_params(s)) + mlp + 2 * h
+        for t in s.layer_types
+    )
     head = 0 if s.tie_word_embeddings else s.vocab_size * h
     return s.vocab_size * h + head + layers + h

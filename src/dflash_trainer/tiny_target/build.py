@@ -19,9 +19,7 @@ import hashlib
 import json
 import math
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+from ..io import atomic_folder
 from .corpus import HELD_OUT_MODULUS, SourceFile, load_split
 from .evaluate import encode_files, heldout_metrics, unigram_counts
 from .tokenizer import END_OF_TEXT, IM_END, train_bpe, wrap_for_transformers
@@ -138,8 +137,11 @@ def build(out_dir: Path, s: BuildSettings) -> dict:
     stream = torch.tensor([t for seq in train_ids for t in seq], dtype=torch.long)
     held_ids = encode_files(tok, held_files)
     held_stream = torch.tensor([t for seq in held_ids for t in seq + [0]], dtype=torch.long)
-    print(f"tokenizer: vocab {len(tok)}; {stream.numel():,} train tokens, {held_stream.numel():,} held-out "
-          f"tokens ({time.time() - t0:.0f}s)", flush=True)
+    print(
+        f"tokenizer: vocab {len(tok)}; {stream.numel():,} train tokens, {held_stream.numel():,} held-out "
+        f"tokens ({time.time() - t0:.0f}s)",
+        flush=True,
+    )
 
     model = make_model(s)
     n_params = sum(p.numel() for p in model.parameters())
@@ -149,7 +151,8 @@ def build(out_dir: Path, s: BuildSettings) -> dict:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=s.lr, betas=(0.9, 0.95),
+        lr=s.lr,
+        betas=(0.9, 0.95),
     )
     best_loss, best_state, best_step, bad_evals = float("inf"), None, 0, 0
     history = []
@@ -169,8 +172,14 @@ def build(out_dir: Path, s: BuildSettings) -> dict:
         bar.set_postfix(loss=f"{loss.item():.3f}", best=f"{best_loss:.3f}", refresh=False)
         if (step + 1) % s.eval_every == 0 or step + 1 == s.max_steps:
             held = window_loss(model, eval_windows, s.batch_size)
-            history.append({"step": step + 1, "train_loss": loss.item(), "held_out_loss": held,
-                            "elapsed_s": round(time.time() - train_start, 1)})
+            history.append(
+                {
+                    "step": step + 1,
+                    "train_loss": loss.item(),
+                    "held_out_loss": held,
+                    "elapsed_s": round(time.time() - train_start, 1),
+                }
+            )
             tqdm.write(f"step {step + 1}: train {loss.item():.4f} held-out {held:.4f}")
             if held < best_loss - s.min_improvement:
                 best_loss, best_step, bad_evals = held, step + 1, 0
@@ -189,35 +198,39 @@ def build(out_dir: Path, s: BuildSettings) -> dict:
         model.load_state_dict(best_state)
 
     # Ship bf16 weights (half the bytes); report metrics of exactly what ships, loaded back in fp32.
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny_target.", dir=out_dir.parent))
-    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    GenerationConfig(
-        eos_token_id=[0, tok.convert_tokens_to_ids(IM_END)], pad_token_id=0, do_sample=False,
-        max_new_tokens=64,
-    ).save_pretrained(tmp)
-    shipped = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    metrics = heldout_metrics(shipped, held_ids, unigram=unigram_counts(train_ids, len(tok)))
-    manifest = {
-        "settings": dataclasses.asdict(s),
-        "parameters": n_params,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "corpus": {
-            "source": "Python standard library of the building interpreter (sysconfig stdlib path)",
-            "split_rule": f"held out iff int(sha256(relpath)[:8], 16) % {HELD_OUT_MODULUS} == 0",
-            "train_files": len(train_files),
-            "held_out_files": len(held_files),
-            "train_tokens": int(stream.numel()),
-        },
-        "training": {"steps_run": history[-1]["step"] if history else 0, "best_step": best_step,
-                     "stopped_by": stopped_by, "train_seconds": round(train_seconds, 1), "history": history},
-        "held_out": metrics,
-    }
-    (tmp / "build_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with atomic_folder(out_dir) as tmp:
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        GenerationConfig(
+            eos_token_id=[0, tok.convert_tokens_to_ids(IM_END)],
+            pad_token_id=0,
+            do_sample=False,
+            max_new_tokens=64,
+        ).save_pretrained(tmp)
+        shipped = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        metrics = heldout_metrics(shipped, held_ids, unigram=unigram_counts(train_ids, len(tok)))
+        manifest = {
+            "settings": dataclasses.asdict(s),
+            "parameters": n_params,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "corpus": {
+                "source": "Python standard library of the building interpreter (sysconfig stdlib path)",
+                "split_rule": f"held out iff int(sha256(relpath)[:8], 16) % {HELD_OUT_MODULUS} == 0",
+                "train_files": len(train_files),
+                "held_out_files": len(held_files),
+                "train_tokens": int(stream.numel()),
+            },
+            "training": {
+                "steps_run": history[-1]["step"] if history else 0,
+                "best_step": best_step,
+                "stopped_by": stopped_by,
+                "train_seconds": round(train_seconds, 1),
+                "history": history,
+            },
+            "held_out": metrics,
+        }
+        (tmp / "build_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(json.dumps(metrics, indent=2))
     return manifest
 

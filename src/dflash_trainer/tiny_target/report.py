@@ -17,8 +17,12 @@ from .corpus import load_split
 from .evaluate import encode_files, heldout_metrics, unigram_counts
 
 
-def measure(path: Path | None = None, files: int | None = None, max_tokens_per_file: int | None = None,
-            unigram_files: int | None = None) -> dict[str, float]:
+def measure(
+    path: Path | None = None,
+    files: int | None = None,
+    max_tokens_per_file: int | None = None,
+    unigram_files: int | None = None,
+) -> dict[str, float]:
     """Held-out metrics of the model at ``path`` (default: the embedded tiny target), fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

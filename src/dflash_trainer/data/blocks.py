@@ -12,16 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss.weights import slot_weights
-
-
-def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[L]`` document index of each token of a packed row. A new document starts wherever the
-    position does not continue the previous one (``p[i] != p[i-1] + 1``), the rule Hugging Face uses
-    to keep packed documents apart, so the target and the drafter agree on the boundaries."""
-    starts = torch.ones_like(position_ids, dtype=torch.long)
-    starts[1:] = (position_ids[1:] != position_ids[:-1] + 1).long()
-    return starts.cumsum(0) - 1
+from ..loss.weights import slot_weights
+from .packing import doc_ids_from_positions
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -34,8 +26,9 @@ def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, block
     return p[ok]
 
 
-def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int, max_anchors: int,
-                   generator: torch.Generator) -> torch.Tensor:
+def sample_anchors(
+    loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int, max_anchors: int, generator: torch.Generator
+) -> torch.Tensor:
     """Up to ``max_anchors`` distinct valid anchors, sorted, drawn uniformly with ``generator``. ``[n]``"""
     valid = valid_anchor_positions(loss_mask, doc_ids, block_size)
     if valid.numel() <= max_anchors:
@@ -62,9 +55,17 @@ class Blocks:
         return self.input_ids.shape[1]
 
 
-def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 anchors: torch.Tensor, *, block_size: int, mask_token_id: int, gamma: float,
-                 num_blocks: int | None = None) -> Blocks:
+def build_blocks(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    *,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    num_blocks: int | None = None,
+) -> Blocks:
     """Blocks for ``anchors`` ``[n]`` of a row (``input_ids``, ``position_ids``, ``loss_mask`` ``[L]``),
     padded with weight-0 blocks up to ``num_blocks`` (default n)."""
     if block_size < 2:
@@ -92,6 +93,12 @@ def build_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, loss_mask:
     weights = slot_weights(block_size, gamma).to(dev, torch.float32)[None, :].expand(nb, -1) * has_loss
     labels[~has_loss] = 0
     return Blocks(
-        anchors=padded, valid=valid, input_ids=block_ids, position_ids=position_ids[padded][:, None] + k,
-        labels=labels, weights=weights, teacher_index=(idx - 1).clamp(min=0), doc_ids=doc_ids[padded],
+        anchors=padded,
+        valid=valid,
+        input_ids=block_ids,
+        position_ids=position_ids[padded][:, None] + k,
+        labels=labels,
+        weights=weights,
+        teacher_index=(idx - 1).clamp(min=0),
+        doc_ids=doc_ids[padded],
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import TINY_TARGET, TargetConfig
-from .errors import UserError
+from ..config import TINY_TARGET, TargetConfig
+from ..errors import UserError
 
 
 class TargetLoadError(UserError, ValueError):
@@ -17,7 +17,7 @@ def resolve_target_path(path: str | None) -> Path:
     if path is None:
         raise TargetLoadError("target.path is not set: pass --set target.path=/path/to/model (or 'tiny')")
     if path == TINY_TARGET:
-        from .tiny_target import tiny_target_path
+        from ..tiny_target import tiny_target_path
 
         try:
             return tiny_target_path()
@@ -31,6 +31,37 @@ def resolve_target_path(path: str | None) -> Path:
     return folder
 
 
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def load_target_config(path: str | None):
+    """``(text config, tokenizer, folder)`` of a target without loading its weights: for checks that
+    must fail in seconds, before a 54 GB model is read."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .target import text_config
+
+    folder = resolve_target_path(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TargetLoadError(f"cannot load target from {folder}: {_first_line(exc)}") from None
+    return text_config(config), tokenizer, folder
+
+
+def load_target_model(cfg: TargetConfig, layer_ids: list[int] | None = None):
+    """``(TargetModel, tokenizer)``: the one way to get a target for features. ``layer_ids`` (e.g. a
+    checkpoint's) win over ``cfg.layer_ids``; neither set = the default rule for ``cfg.num_feature_layers``."""
+    from .target import TargetModel
+
+    model, tokenizer, _ = load_target(cfg)
+    ids = layer_ids if layer_ids is not None else cfg.layer_ids
+    k = len(ids) if ids is not None else cfg.num_feature_layers
+    return TargetModel(model, layer_ids=ids, num_feature_layers=k), tokenizer
+
+
 def load_target(cfg: TargetConfig):
     """``(model, tokenizer, path)``: the frozen target in eval mode, in ``cfg.dtype``."""
     import torch
@@ -42,7 +73,6 @@ def load_target(cfg: TargetConfig):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TargetLoadError(f"cannot load target from {folder}: {first}") from None
+        raise TargetLoadError(f"cannot load target from {folder}: {_first_line(exc)}") from None
     model.eval().requires_grad_(False)
     return model, tokenizer, folder

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..loss.logits import transform_logits
+from ..model.drafter import DFlashDrafter
+from ..model.target import TargetModel
 from .ddtree import build_tree
-from .loss import head_logit_options
-from .loss.reference import transform_logits
-from .drafter import DFlashDrafter
-from .target import TargetModel
 
 
 @dataclass
@@ -49,16 +48,21 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
         self.model = target.model
         self._cache_kwarg = _forward_cache_kwarg(self.model)
-        self.head_options = head_logit_options(target.config)
 
     @torch.no_grad()
     def _forward(self, ids: list[int], positions: torch.Tensor, cache, mask=None, last_only=False):
         """Target forward of new tokens against ``cache``: logits ``[q, V]`` (or ``[1, V]``) and the
         hooked layers' hidden states ``[q, k*H]``."""
         dev = self.model.device
-        out = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None].to(dev),
-                         attention_mask=mask, use_cache=True, output_hidden_states=True,
-                         logits_to_keep=1 if last_only else 0, **{self._cache_kwarg: cache})
+        out = self.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=positions[None].to(dev),
+            attention_mask=mask,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1 if last_only else 0,
+            **{self._cache_kwarg: cache},
+        )
         feats = torch.cat([out.hidden_states[i + 1][0] for i in self.target.layer_ids], dim=-1)
         return out.logits[0], feats
 
@@ -74,11 +78,13 @@ class SpeculativeDecoder:
         """``[B-1, V]`` log-probabilities of draft slots 1..B-1 for one block."""
         hidden = self.drafter.draft_block(anchor, anchor_pos, drafter_cache)
         # the target's logit scale / softcap, as in training, so DDTree ranks prefixes by the same probabilities
-        logits = transform_logits(self.drafter.block_logits(hidden[1:]).float(), **self.head_options)
+        logits = transform_logits(self.drafter.block_logits(hidden[1:]).float(), **self.drafter.spec.logit_options)
         return torch.log_softmax(logits, dim=-1)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64) -> DecodeResult:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64
+    ) -> DecodeResult:
         if mode not in ("chain", "ddtree"):
             raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
         if not prompt_ids:
@@ -127,7 +133,7 @@ class SpeculativeDecoder:
         depths = torch.tensor([0, *tree.depths])
         allowed = torch.zeros(n + 1, pos + n + 1, dtype=torch.bool)
         allowed[:, : pos + 1] = True  # the cache and the anchor
-        allowed[1:, pos + 1:] = tree.ancestor_mask()  # each node: itself and its ancestors
+        allowed[1:, pos + 1 :] = tree.ancestor_mask()  # each node: itself and its ancestors
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache, mask=mask[None, None].to(dev))
@@ -150,9 +156,17 @@ def target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: li
     """Plain greedy decoding with the target alone (Hugging Face ``generate``, KV cache): ``(tokens, seconds)``."""
     t0 = time.perf_counter()
     ids = torch.tensor([prompt_ids], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=list(eos_ids), pad_token_id=list(eos_ids)[0], top_k=None, top_p=None)
-    tokens = out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(eos_ids),
+        pad_token_id=list(eos_ids)[0],
+        top_k=None,
+        top_p=None,
+    )
+    tokens = out[0, len(prompt_ids) :].tolist()
     for i, tok in enumerate(tokens):
         if tok in set(eos_ids):
             tokens = tokens[: i + 1]
@@ -165,85 +179,3 @@ def _forward_cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def run_speculative(args, cfg) -> int:
-    """``dflash-train generate --speculative chain|ddtree --drafter CKPT``: decode each prompt with the
-    target alone and speculatively, check they agree token for token, report tau, tokens/s, speedup."""
-    import json
-    from pathlib import Path
-
-    from .checkpoint import load_drafter, read_checkpoint_config
-    from .config import TargetConfig
-    from .data.records import Record, iter_records
-    from .errors import UserError
-    from .generate import _eos_ids
-    from .target_loading import load_target
-
-    budgets = args.budget or [64]
-    if any(b < 1 for b in budgets):
-        raise UserError(f"--budget must be >= 1, got {min(budgets)}")
-    if not args.drafter:
-        raise UserError("--speculative needs --drafter CHECKPOINT")
-    meta = read_checkpoint_config(args.drafter)
-    target_cfg = cfg.target if cfg.target.path != "tiny" or meta["target"].get("path") in (None, "tiny") else \
-        TargetConfig(path=meta["target"]["path"], dtype=cfg.target.dtype)
-    model, tok, _ = load_target(target_cfg.model_copy(update={"layer_ids": meta["target"]["layer_ids"],
-                                                              "num_feature_layers": len(meta["target"]["layer_ids"])}))
-    target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
-    drafter, _ = load_drafter(args.drafter, target, dtype=model.dtype)
-    eos = _eos_ids(model, tok)
-    prompts = []
-    for rec in iter_records(args.input):
-        if not isinstance(rec, Record) or rec.messages is None:
-            continue
-        first_assistant = next(i for i, m in enumerate(rec.messages) if m["role"] == "assistant")
-        ids = tok.apply_chat_template(rec.messages[:first_assistant], tokenize=True, add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        prompts.append((f"{rec.source}:{rec.line}", list(ids)))
-        if args.limit and len(prompts) >= args.limit:
-            break
-    if not prompts:
-        raise UserError("no prompts: the input has no chat record with an assistant turn")
-    decoder = SpeculativeDecoder(target, drafter, eos)
-    modes = [("chain", None)] if args.speculative == "chain" else [("ddtree", b) for b in budgets]
-    totals = {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "mismatches": 0} for name in
-              ["target"] + [m if b is None else f"{m}-{b}" for m, b in modes]}
-    outputs = []
-    for source, ids in prompts:
-        ref, secs = target_greedy(model, ids, args.max_new_tokens, eos)
-        totals["target"]["tokens"] += len(ref)
-        totals["target"]["seconds"] += secs
-        record = {"source": source, "target_tokens": len(ref), "text": tok.decode(ref, skip_special_tokens=True)}
-        for mode, budget in modes:
-            name = mode if budget is None else f"{mode}-{budget}"
-            res = decoder.generate(ids, args.max_new_tokens, mode, budget=budget or 1)
-            t = totals[name]
-            t["tokens"] += len(res.tokens)
-            t["seconds"] += res.seconds
-            t["rounds"] += len(res.accepted)
-            t["accepted"] += sum(a + 1 for a in res.accepted)
-            t["mismatches"] += int(res.tokens != ref)
-            record[f"{name}_tau"] = res.tau
-        outputs.append(record)
-    base_rate = totals["target"]["tokens"] / totals["target"]["seconds"]
-    summary = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "target_tokens_per_s": base_rate,
-               "modes": {}}
-    print(f"{len(prompts)} prompts, target-only greedy: {base_rate:.1f} tokens/s")
-    for name, t in totals.items():
-        if name == "target":
-            continue
-        rate = t["tokens"] / t["seconds"]
-        summary["modes"][name] = {"tau": t["accepted"] / max(1, t["rounds"]), "tokens_per_s": rate,
-                                  "speedup": rate / base_rate, "mismatches": t["mismatches"]}
-        s = summary["modes"][name]
-        print(f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x, "
-              f"outputs differing from target greedy: {t['mismatches']}")
-    out = Path(args.output)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in outputs))
-    tmp.replace(out)
-    report = out.with_name(out.name + ".report.json")
-    report.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"report: {report}")
-    return 1 if any(s["mismatches"] for s in summary["modes"].values()) else 0

@@ -7,6 +7,11 @@ few selected teacher rows itself (shared/DESIGN.md section 1, items 1-2).
 
 Layer ids follow the z-lab convention: id ``l`` is the output of decoder layer ``l`` (HF's
 ``hidden_states[l + 1]``).
+
+``row_features`` is the producer half of a training step: everything the drafter side needs for one
+packed row, selected before it leaves the target (context features, teacher hidden states only at
+the positions the blocks read, and the row's ids/positions/mask/anchors), as a plain tensor bundle
+that can be sent between processes.
 """
 
 from __future__ import annotations
@@ -16,8 +21,32 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .anchors import doc_ids_from_positions
-from .errors import UserError
+from ..data.packing import doc_ids_from_positions
+from ..errors import UserError
+
+
+def text_config(config):
+    """The language-model part of a Hugging Face config (multimodal folders nest it), else ``config``."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_logit_options(config) -> dict:
+    """``{"logit_scale", "softcap"}`` of a Hugging Face model config: Cohere-style ``logit_scale``
+    multiplies the logits, Gemma-style ``final_logit_softcapping`` caps them; both default to off."""
+    text = text_config(config)
+    scale = getattr(text, "logit_scale", None)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return {"logit_scale": float(scale) if scale else 1.0, "softcap": float(softcap) if softcap else None}
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """``layer_ids`` if every id is a decoder layer of an ``num_layers``-layer target, else one error."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise UserError(
+            f"target layer ids {bad} are out of range for a {num_layers}-layer target (0..{num_layers - 1})"
+        )
+    return list(layer_ids)
 
 
 def default_layer_ids(num_layers: int, k: int) -> list[int]:
@@ -49,6 +78,23 @@ class TargetFeatures:
     last_hidden: torch.Tensor | None  # [L, H] final-normed hidden states (teacher input), or None
 
 
+@dataclass
+class RowFeatures:
+    """What the drafter side needs of one packed row of L tokens with n sampled anchors (block size B).
+
+    Only plain tensors, so the bundle can cross a process boundary as it is."""
+
+    input_ids: torch.Tensor  # [L] long
+    position_ids: torch.Tensor  # [L] long, restarting at 0 at each document start
+    loss_mask: torch.Tensor  # [L] long
+    anchors: torch.Tensor  # [n] long, sorted anchor positions
+    context: torch.Tensor  # [L, k*H] hooked layer outputs (target dtype)
+    teacher: torch.Tensor | None  # [n*B, H] final-normed hidden at anchor + j - 1 (j = 0..B-1), or None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(body, "layers", None)
@@ -63,16 +109,13 @@ class TargetModel:
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, num_feature_layers: int = 5):
         self.model = model.eval().requires_grad_(False)
         self.body, self.layers = _decoder_parts(model)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         self.config = config
         self.num_layers = len(self.layers)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers, num_feature_layers)
-        bad = [i for i in ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise UserError(f"target layer ids {bad} are out of range for a {self.num_layers}-layer target (0..{self.num_layers - 1})")
-        self.layer_ids = ids
+        self.layer_ids = check_layer_ids(ids, self.num_layers)
         # Packing several documents in one row relies on the attention mask built from position ids;
         # recurrent (linear-attention) layers would carry state across documents, so such targets run
         # each document on its own.
@@ -89,8 +132,9 @@ class TargetModel:
         return self.model.get_input_embeddings()
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                 need_teacher: bool = True) -> TargetFeatures:
+    def features(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, need_teacher: bool = True
+    ) -> TargetFeatures:
         """Features of one packed row: ``input_ids`` ``[L]``, ``position_ids`` ``[L]`` restarting at 0 at
         each document start (default: one document). Documents never attend to each other."""
         if input_ids.dim() != 1:
@@ -106,6 +150,33 @@ class TargetModel:
         return TargetFeatures(
             torch.cat([p.context for p in parts]),
             torch.cat([p.last_hidden for p in parts]) if need_teacher else None,
+        )
+
+    @torch.no_grad()
+    def row_features(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        block_size: int,
+        need_teacher: bool,
+    ) -> RowFeatures:
+        """The producer half of a step for one row (``[L]`` tensors) and its anchors ``[n]``: the
+        teacher rows are gathered here, so only ``n*B`` of the ``L`` final hidden states leave."""
+        feats = self.features(input_ids, position_ids, need_teacher=need_teacher)
+        teacher = None
+        if need_teacher:
+            j = torch.arange(block_size, device=anchors.device)
+            index = (anchors[:, None] + j - 1).clamp(min=0).reshape(-1)  # [n*B]: anchor + j - 1
+            teacher = feats.last_hidden[index.to(feats.last_hidden.device)]
+        return RowFeatures(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            loss_mask=loss_mask,
+            anchors=anchors,
+            context=feats.context,
+            teacher=teacher,
         )
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, need_teacher: bool) -> TargetFeatures:

@@ -7,7 +7,7 @@
 
 Context rows are keys and values only, never queries. RoPE positions are absolute: context rows
 keep their own position, slot k of a block sits at pos(anchor) + k. Which context rows and block
-keys a query sees is the attention mask's business (``attention.py``).
+keys a query sees is the attention mask's business (``model/attention.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import UserError
 from .attention import MaskSpec, dense_mask, flex_block_mask
-from .errors import UserError
+from .target import head_logit_options, text_config
 
 
 @dataclass(frozen=True)
@@ -45,23 +46,52 @@ class DrafterSpec:
     noise_scale: float = 0.0
     mask_token_id: int = 0
     activation_checkpointing: bool = False  # training only: recompute each layer in the backward pass
+    # The target head's logit transform (loss.logits.transform_logits): the drafter holds the head, so
+    # it carries how the head's logits are post-processed too.
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterSpec:
+        """A spec from its JSON form (checkpoints, exports): lists back to tuples, absent fields default."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"unknown drafter spec fields {unknown}: written by a newer dflash-trainer?")
+        return cls(**{**d, "sliding_window_layers": tuple(d.get("sliding_window_layers", ()))})
+
+    @property
+    def logit_options(self) -> dict:
+        """Keyword arguments of ``transform_logits`` and the fused loss for this drafter's head."""
+        return {"logit_scale": self.logit_scale, "softcap": self.logit_softcap}
 
     @classmethod
     def from_target(cls, target_config, drafter_cfg, *, num_features: int, mask_token_id: int) -> DrafterSpec:
-        c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        c = text_config(target_config)
+        head = head_logit_options(c)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         return cls(
-            hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
+            hidden_size=c.hidden_size,
+            num_heads=c.num_attention_heads,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-            num_layers=drafter_cfg.num_layers, num_features=num_features, block_size=drafter_cfg.block_size,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=float(theta or getattr(c, "rope_theta", 1e6)),
-            sliding_window_layers=tuple(drafter_cfg.sliding_window_layers), sliding_window=drafter_cfg.sliding_window,
-            causal_in_block_sliding=drafter_cfg.causal_in_block_sliding, noise=drafter_cfg.noise,
-            noise_scale=drafter_cfg.noise_scale, mask_token_id=mask_token_id,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            num_layers=drafter_cfg.num_layers,
+            num_features=num_features,
+            block_size=drafter_cfg.block_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta or getattr(c, "rope_theta", 1e6)),
+            sliding_window_layers=tuple(drafter_cfg.sliding_window_layers),
+            sliding_window=drafter_cfg.sliding_window,
+            causal_in_block_sliding=drafter_cfg.causal_in_block_sliding,
+            noise=drafter_cfg.noise,
+            noise_scale=drafter_cfg.noise_scale,
+            mask_token_id=mask_token_id,
             activation_checkpointing=getattr(drafter_cfg, "activation_checkpointing", False),
+            logit_scale=head["logit_scale"],
+            logit_softcap=head["softcap"],
         )
 
     def layer_mask_spec(self, layer: int) -> MaskSpec:
@@ -82,8 +112,10 @@ def resolve_mask_token_id(tokenizer, configured: int | None, vocab_size: int) ->
             mask_id = found if found is not None and found != unk else None
         source = "the tokenizer's <|MASK|> token"
         if mask_id is None:
-            raise UserError("no mask token: the tokenizer has no <|MASK|> (mask_token) and drafter.mask_token_id is "
-                            "not set; add the token to the tokenizer or set drafter.mask_token_id")
+            raise UserError(
+                "no mask token: the tokenizer has no <|MASK|> (mask_token) and drafter.mask_token_id is "
+                "not set; add the token to the tokenizer or set drafter.mask_token_id"
+            )
     if not 0 <= mask_id < vocab_size:
         raise UserError(f"mask token id {mask_id} from {source} is outside the target vocabulary 0..{vocab_size - 1}")
     return int(mask_id)
@@ -209,8 +241,10 @@ class DFlashDrafter(nn.Module):
         if s.block_size < 2:
             raise UserError(f"drafter block_size must be >= 2, got {s.block_size}")
         if embed_tokens.weight.shape != (s.vocab_size, s.hidden_size):
-            raise UserError(f"target embedding is {tuple(embed_tokens.weight.shape)}, drafter expects "
-                            f"[vocab {s.vocab_size}, hidden {s.hidden_size}]")
+            raise UserError(
+                f"target embedding is {tuple(embed_tokens.weight.shape)}, drafter expects "
+                f"[vocab {s.vocab_size}, hidden {s.hidden_size}]"
+            )
         if s.sliding_window_layers and s.sliding_window < 1:
             raise UserError(f"sliding_window must be >= 1 context row, got {s.sliding_window}")
         if not 0 <= s.mask_token_id < s.vocab_size:
@@ -243,8 +277,10 @@ class DFlashDrafter(nn.Module):
         """``[L, k*H]`` target features -> ``[L, H]`` context rows (noise only in training mode)."""
         expected = self.spec.num_features * self.spec.hidden_size
         if features.shape[-1] != expected:
-            raise UserError(f"context features have width {features.shape[-1]}, the drafter expects "
-                            f"{self.spec.num_features} layers x hidden {self.spec.hidden_size} = {expected}")
+            raise UserError(
+                f"context features have width {features.shape[-1]}, the drafter expects "
+                f"{self.spec.num_features} layers x hidden {self.spec.hidden_size} = {expected}"
+            )
         features = features.to(self.dtype)
         if self.training and self.spec.noise != "none" and self.spec.noise_scale > 0:
             if self.spec.noise == "uniform":
@@ -256,10 +292,19 @@ class DFlashDrafter(nn.Module):
     def build_masks(self, anchors, block_doc, context_doc, backend: str) -> dict[MaskSpec, object]:
         """One mask per distinct layer variant, for ``nb`` blocks over a row of ``L`` context rows."""
         make = flex_block_mask if backend == "flex" else dense_mask
-        return {spec: make(anchors, block_doc, context_doc, self.spec.block_size, spec) for spec in set(self.mask_specs)}
+        return {
+            spec: make(anchors, block_doc, context_doc, self.spec.block_size, spec) for spec in set(self.mask_specs)
+        }
 
-    def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor,
-                context_positions: torch.Tensor, masks: dict, backend: str = "dense") -> torch.Tensor:
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        features: torch.Tensor,
+        context_positions: torch.Tensor,
+        masks: dict,
+        backend: str = "dense",
+    ) -> torch.Tensor:
         """Training layout: all ``nb`` blocks ``[nb, B]`` against one row's features ``[L, k*H]`` with
         positions ``[L]``; ``masks`` from ``build_masks``. Returns final-normed hidden ``[nb*B, H]``."""
         if backend not in ("dense", "flex"):
@@ -290,7 +335,7 @@ class DFlashDrafter(nn.Module):
         cos_q, sin_q = rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, x.dtype)
         for layer, spec, (k, v) in zip(self.layers, self.mask_specs, cache):
             if spec.window is not None:
-                k, v = k[:, -spec.window:], v[:, -spec.window:]
+                k, v = k[:, -spec.window :], v[:, -spec.window :]
             mask = None
             if spec.causal_in_block:
                 n_ctx = k.shape[1]

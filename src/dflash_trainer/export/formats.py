@@ -16,18 +16,17 @@ Formats:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import read_checkpoint_config, WEIGHTS as CKPT_WEIGHTS
-from .drafter import DFlashDrafter, DrafterSpec
-from .errors import UserError
+from ..errors import UserError
+from ..io import atomic_folder
+from ..model.drafter import DFlashDrafter, DrafterSpec
+from ..training.checkpoint import WEIGHTS as CKPT_WEIGHTS
+from ..training.checkpoint import check_against_target, checkpoint_spec, read_checkpoint_config
 
 MODEL_WEIGHTS = "model.safetensors"
 DRAFTER_KEYS = ("fc.", "hidden_norm.", "layers.", "norm.")
@@ -35,15 +34,28 @@ DRAFTER_KEYS = ("fc.", "hidden_norm.", "layers.", "norm.")
 
 def _layer_config(spec: DrafterSpec) -> dict:
     """The Qwen3 decoder-layer config shared by both formats."""
-    layer_types = ["sliding_attention" if i in spec.sliding_window_layers else "full_attention"
-                   for i in range(spec.num_layers)]
+    layer_types = [
+        "sliding_attention" if i in spec.sliding_window_layers else "full_attention" for i in range(spec.num_layers)
+    ]
     cfg = {
-        "model_type": "qwen3", "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}, "rope_theta": spec.rope_theta,
-        "vocab_size": spec.vocab_size, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-        "layer_types": layer_types, "max_position_embeddings": 262144, "torch_dtype": "bfloat16", "dtype": "bfloat16",
+        "model_type": "qwen3",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_theta": spec.rope_theta,
+        "vocab_size": spec.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "layer_types": layer_types,
+        "max_position_embeddings": 262144,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
     }
     if spec.sliding_window_layers:
         cfg["sliding_window"] = spec.sliding_window
@@ -53,39 +65,35 @@ def _layer_config(spec: DrafterSpec) -> dict:
 
 def _write_folder(out_dir: Path, files: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
     """Write JSON/text files and one safetensors file into ``out_dir`` atomically."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_folder(Path(out_dir)) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / MODEL_WEIGHTS), metadata={"format": "pt"})
         for name, content in files.items():
             text = content if isinstance(content, str) else json.dumps(content, indent=2) + "\n"
-            (tmp / name).write_text(text)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            (tmp / name).write_text(text, encoding="utf-8")
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model=None) -> Path:
     """Export ``checkpoint`` as ``fmt`` ("zlab" or "speculators"). The speculators format copies the
     target's embedding and lm_head, so it needs ``target_model`` (a HF causal LM)."""
     meta = read_checkpoint_config(checkpoint)
-    spec = DrafterSpec(**{**meta["spec"], "sliding_window_layers": tuple(meta["spec"]["sliding_window_layers"])})
+    spec = checkpoint_spec(meta)
     target = meta["target"]
     state = {k: v.to(torch.bfloat16) for k, v in load_file(str(Path(checkpoint) / CKPT_WEIGHTS)).items()}
     if fmt == "zlab":
         config = {
-            **_layer_config(spec), "architectures": ["DFlashDraftModel"],
+            **_layer_config(spec),
+            "architectures": ["DFlashDraftModel"],
             "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
-            "block_size": spec.block_size, "num_target_layers": target["num_layers"],
-            "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(target["layer_ids"]),
-                              "causal_in_block_sliding": spec.causal_in_block_sliding,
-                              "target_model_path": target.get("path")},
+            "block_size": spec.block_size,
+            "num_target_layers": target["num_layers"],
+            "dflash_config": {
+                "mask_token_id": spec.mask_token_id,
+                "target_layer_ids": list(target["layer_ids"]),
+                "causal_in_block_sliding": spec.causal_in_block_sliding,
+                "target_model_path": target.get("path"),
+            },
         }
-        modeling = (resources.files("dflash_trainer") / "export_assets" / "modeling_dflash.py").read_text()
+        modeling = (resources.files("dflash_trainer.export") / "assets" / "modeling_dflash.py").read_text()
         _write_folder(out_dir, {"config.json": config, "modeling_dflash.py": modeling}, state)
     elif fmt == "speculators":
         if target_model is None:
@@ -93,11 +101,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
         embed = target_model.get_input_embeddings().weight.detach().to(torch.bfloat16)
         head = target_model.get_output_embeddings().weight.detach().to(torch.bfloat16)
         config = {
-            "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+            "speculators_model_type": "dflash",
+            "architectures": ["DFlashSpeculator"],
             "transformer_layer_config": _layer_config(spec),
             "aux_hidden_state_layer_ids": [i + 1 for i in target["layer_ids"]],  # z-lab id + 1
-            "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
-            "draft_vocab_size": spec.vocab_size, "target_hidden_size": target["hidden_size"],
+            "mask_token_id": spec.mask_token_id,
+            "block_size": spec.block_size,
+            "draft_vocab_size": spec.vocab_size,
+            "target_hidden_size": target["hidden_size"],
             "sliding_window_non_causal": not spec.causal_in_block_sliding,
             "speculators_config": {
                 "algorithm": "dflash",
@@ -106,8 +117,11 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
                 "verifier": {"name_or_path": target.get("path"), "architectures": target["architectures"]},
             },
         }
-        _write_folder(out_dir, {"config.json": config},
-                      {**state, "embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()})
+        _write_folder(
+            out_dir,
+            {"config.json": config},
+            {**state, "embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()},
+        )
     else:
         raise UserError(f"unknown export format {fmt!r}: use 'zlab' or 'speculators'")
     return Path(out_dir)
@@ -122,7 +136,12 @@ def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
     if cfg.get("speculators_model_type") == "dflash":
         fmt, layer_cfg = "speculators", cfg["transformer_layer_config"]
         layer_ids = [i - 1 for i in cfg["aux_hidden_state_layer_ids"]]
-        mask_id, block, causal, n_target = cfg["mask_token_id"], cfg["block_size"], not cfg.get("sliding_window_non_causal", True), -1
+        mask_id, block, causal, n_target = (
+            cfg["mask_token_id"],
+            cfg["block_size"],
+            not cfg.get("sliding_window_non_causal", True),
+            -1,
+        )
     elif "DFlashDraftModel" in (cfg.get("architectures") or []):
         fmt, layer_cfg = "zlab", cfg
         dcfg = cfg["dflash_config"]
@@ -132,13 +151,20 @@ def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
         raise UserError(f"{cfg_file}: neither a zlab (architectures DFlashDraftModel) nor a speculators dflash export")
     types = layer_cfg.get("layer_types") or []
     spec = DrafterSpec(
-        hidden_size=layer_cfg["hidden_size"], num_heads=layer_cfg["num_attention_heads"],
-        num_kv_heads=layer_cfg["num_key_value_heads"], head_dim=layer_cfg["head_dim"],
-        intermediate_size=layer_cfg["intermediate_size"], vocab_size=layer_cfg["vocab_size"],
-        num_layers=layer_cfg["num_hidden_layers"], num_features=len(layer_ids), block_size=block,
-        rms_norm_eps=layer_cfg["rms_norm_eps"], rope_theta=float(layer_cfg.get("rope_theta", 1e6)),
+        hidden_size=layer_cfg["hidden_size"],
+        num_heads=layer_cfg["num_attention_heads"],
+        num_kv_heads=layer_cfg["num_key_value_heads"],
+        head_dim=layer_cfg["head_dim"],
+        intermediate_size=layer_cfg["intermediate_size"],
+        vocab_size=layer_cfg["vocab_size"],
+        num_layers=layer_cfg["num_hidden_layers"],
+        num_features=len(layer_ids),
+        block_size=block,
+        rms_norm_eps=layer_cfg["rms_norm_eps"],
+        rope_theta=float(layer_cfg.get("rope_theta", 1e6)),
         sliding_window_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
-        sliding_window=layer_cfg.get("sliding_window") or 2048, causal_in_block_sliding=causal,
+        sliding_window=layer_cfg.get("sliding_window") or 2048,
+        causal_in_block_sliding=causal,
         mask_token_id=mask_id,
     )
     return fmt, spec, layer_ids, n_target, cfg
@@ -146,8 +172,6 @@ def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
 
 def load_export(folder: Path, target, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """A ``DFlashDrafter`` from an exported folder of either format, for ``target`` (a ``TargetModel``)."""
-    from .checkpoint import check_against_target
-
     _, spec, layer_ids, _, _ = read_export(folder)
     check_against_target(spec, layer_ids, target, f"export {folder}")
     state = load_file(str(Path(folder) / MODEL_WEIGHTS))
@@ -160,16 +184,20 @@ def check_export(folder: Path, target_path: str | None = None) -> list[str]:
     """Problems of an exported folder against the target it names (or ``target_path``), one line each."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from .target_loading import resolve_target_path
+    from ..model.loading import resolve_target_path
+    from ..model.target import text_config
 
     fmt, spec, layer_ids, n_target, cfg = read_export(folder)
-    named = cfg["dflash_config"].get("target_model_path") if fmt == "zlab" else cfg["speculators_config"]["verifier"].get("name_or_path")
+    named = (
+        cfg["dflash_config"].get("target_model_path")
+        if fmt == "zlab"
+        else cfg["speculators_config"]["verifier"].get("name_or_path")
+    )
     path = target_path or named
     if not path:
         return ["the export names no target; pass --target PATH"]
     tdir = resolve_target_path(path)
-    tcfg = AutoConfig.from_pretrained(tdir, local_files_only=True)
-    tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    tcfg = text_config(AutoConfig.from_pretrained(tdir, local_files_only=True))
     problems = []
     if spec.hidden_size != tcfg.hidden_size:
         problems.append(f"hidden size {spec.hidden_size} does not match the target's {tcfg.hidden_size}")
@@ -189,7 +217,9 @@ def check_export(folder: Path, target_path: str | None = None) -> list[str]:
             tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
             tok_mask = tok.mask_token_id if tok.mask_token_id is not None else tok.convert_tokens_to_ids("<|MASK|>")
             if tok_mask not in (None, tok.unk_token_id) and tok_mask != spec.mask_token_id:
-                problems.append(f"mask token id {spec.mask_token_id} is not the target tokenizer's <|MASK|> ({tok_mask})")
+                problems.append(
+                    f"mask token id {spec.mask_token_id} is not the target tokenizer's <|MASK|> ({tok_mask})"
+                )
         except (OSError, ValueError):
             pass  # a target without tokenizer files: the id range check above still holds
     if spec.block_size < 2:
@@ -203,6 +233,8 @@ def check_export(folder: Path, target_path: str | None = None) -> list[str]:
     if fc is None:
         problems.append("weights have no fc.weight")
     elif tuple(fc.shape) != (spec.hidden_size, len(layer_ids) * spec.hidden_size):
-        problems.append(f"fc.weight is {tuple(fc.shape)}, expected ({spec.hidden_size}, {len(layer_ids)} layer ids x "
-                        f"{spec.hidden_size}): layer-id count and weights disagree")
+        problems.append(
+            f"fc.weight is {tuple(fc.shape)}, expected ({spec.hidden_size}, {len(layer_ids)} layer ids x "
+            f"{spec.hidden_size}): layer-id count and weights disagree"
+        )
     return problems

@@ -25,8 +25,9 @@ class MaskSpec:
     causal_in_block: bool = False
 
 
-def dense_mask(anchors: torch.Tensor, block_doc: torch.Tensor, context_doc: torch.Tensor, block_size: int,
-               spec: MaskSpec) -> torch.Tensor:
+def dense_mask(
+    anchors: torch.Tensor, block_doc: torch.Tensor, context_doc: torch.Tensor, block_size: int, spec: MaskSpec
+) -> torch.Tensor:
     """``[nb*B, L + nb*B]`` bool mask (True = may attend) for ``scaled_dot_product_attention``.
 
     ``anchors``, ``block_doc``: ``[nb]``; ``context_doc``: ``[L]`` document id of each context row.
@@ -45,8 +46,15 @@ def dense_mask(anchors: torch.Tensor, block_doc: torch.Tensor, context_doc: torc
     return torch.cat([ctx, own], dim=1)
 
 
-def flex_block_mask(anchors: torch.Tensor, block_doc: torch.Tensor, context_doc: torch.Tensor, block_size: int,
-                    spec: MaskSpec, kv_block: int = 128, q_block: int = 128):
+def flex_block_mask(
+    anchors: torch.Tensor,
+    block_doc: torch.Tensor,
+    context_doc: torch.Tensor,
+    block_size: int,
+    spec: MaskSpec,
+    kv_block: int = 128,
+    q_block: int = 128,
+):
     """The same rule as ``dense_mask`` as a FlexAttention ``BlockMask`` (sparse: only tiles with any
     allowed pair are visited, so the cost grows with the context each block really sees)."""
     from torch.nn.attention.flex_attention import create_block_mask

@@ -7,8 +7,9 @@ tracker such as ``MemTracker`` does not see. The running sum of those events giv
 the start of the measured call; the bytes of every tensor alive at the start (found through the
 garbage collector) are added to it. RSS is not used: it follows glibc's arenas, not tensors.
 
-Each case runs in a fresh process (``python -m dflash_trainer.planner.measure CASE_JSON``) so that
-one case's allocations cannot hide in another's.
+Each case runs in a fresh process (``python benchmarks/planner_measure.py CASE_JSON``) so that one
+case's allocations cannot hide in another's. The phases are the ``record_function`` ranges that
+``training/step.py`` and ``Trainer.train_step`` mark (``PHASE_PREFIX + name``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from dflash_trainer.training.step import PHASE_PREFIX  # train_step marks its phases with it
 
 
 @dataclass(frozen=True)
@@ -42,13 +46,25 @@ class Case:
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
     def config_json(self) -> dict:
-        out = {"model_type": "qwen3_5_text" if self.hybrid else "qwen3", "hidden_size": self.hidden,
-               "intermediate_size": self.intermediate, "vocab_size": self.vocab, "num_hidden_layers": self.layers,
-               "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-               "tie_word_embeddings": False}
+        out = {
+            "model_type": "qwen3_5_text" if self.hybrid else "qwen3",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "vocab_size": self.vocab,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "tie_word_embeddings": False,
+        }
         if self.hybrid:
-            out.update(linear_num_key_heads=self.kv_heads, linear_num_value_heads=self.heads,
-                       linear_key_head_dim=self.head_dim, linear_value_head_dim=self.head_dim, linear_conv_kernel_dim=4)
+            out.update(
+                linear_num_key_heads=self.kv_heads,
+                linear_num_value_heads=self.heads,
+                linear_key_head_dim=self.head_dim,
+                linear_value_head_dim=self.head_dim,
+                linear_conv_kernel_dim=4,
+            )
         return out
 
 
@@ -72,7 +88,6 @@ def live_tensor_bytes() -> int:
     return total
 
 
-PHASE_PREFIX = "dflash-phase:"
 THREADS = 2  # intra-op threads of every measured case (the CPU attention kernel's workspace is per thread)
 
 
@@ -90,7 +105,7 @@ def allocator_peak(fn) -> tuple[object, int, dict[str, int]]:
         if e.tag == _EventType.Allocation:
             events.append((e.start_time_ns, e.extra_fields.alloc_size))
         elif e.name.startswith(PHASE_PREFIX):
-            ranges.append((e.name[len(PHASE_PREFIX):], e.start_time_ns, e.end_time_ns))
+            ranges.append((e.name[len(PHASE_PREFIX) :], e.start_time_ns, e.end_time_ns))
         stack.extend(e.children)
     events.sort()
     cur = peak = 0
@@ -104,38 +119,14 @@ def allocator_peak(fn) -> tuple[object, int, dict[str, int]]:
     return out, peak, phases
 
 
-def _instrument(trainer) -> None:
-    """Name the phases of ``Trainer.train_step`` for the profiler (target forward, drafter forward, loss,
-    backward, optimizer), by wrapping the calls it makes."""
-    import torch
-    from torch.profiler import record_function
-
-    from .. import train as train_module
-
-    def wrap(obj, attr, phase):
-        fn = getattr(obj, attr)
-
-        def wrapped(*args, **kwargs):
-            with record_function(PHASE_PREFIX + phase):
-                return fn(*args, **kwargs)
-
-        setattr(obj, attr, wrapped)
-
-    wrap(trainer.target, "features", "target forward")
-    wrap(trainer.drafter, "forward", "drafter forward")
-    wrap(train_module, "loss_of", "loss")
-    wrap(torch.Tensor, "backward", "backward")
-    wrap(trainer.optimizer, "step", "optimizer")
-
-
 def _build(case: Case):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    from ..config import load_config
-    from ..data.packing import PackedRow
-    from ..target import TargetModel
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.packing import PackedRow
+    from dflash_trainer.model.target import TargetModel
 
     cfg = load_config([], ["drafter.mask_token_id=3", "train.lr=1e-2", *case.overrides])
     torch.manual_seed(0)
@@ -168,14 +159,21 @@ def run_case(case: Case) -> dict:
         start = live_tensor_bytes()
         _, extra, phases = allocator_peak(lambda: target.features(row.input_ids, row.position_ids, need_teacher=need))
     else:
-        from ..train import Trainer
+        from dflash_trainer.training.trainer import Trainer
 
-        trainer = Trainer(cfg, target, None, [row], [], out_dir=tempfile.mkdtemp(prefix="dflash-measure-"),
-                          target_path=None, progress=False)
+        trainer = Trainer(
+            cfg,
+            target,
+            None,
+            [row],
+            [],
+            out_dir=tempfile.mkdtemp(prefix="dflash-measure-"),
+            target_path=None,
+            progress=False,
+        )
         for _ in range(case.warmup_steps):  # AdamW's states exist from the first step on
             trainer.train_step()
         trainer.optimizer.zero_grad(set_to_none=True)
-        _instrument(trainer)
         start = live_tensor_bytes()
         out, extra, phases = allocator_peak(trainer.train_step)
         result["accuracy"] = out["accuracy"] if out else None
@@ -186,8 +184,9 @@ def run_case(case: Case) -> dict:
 def measure_in_subprocess(case: Case, timeout: int = 600) -> dict:
     """``run_case`` in a fresh Python process (clean allocator, nothing left over from other cases)."""
     payload = json.dumps({**case.__dict__, "overrides": list(case.overrides)})
-    out = subprocess.run([sys.executable, "-m", "dflash_trainer.planner.measure", payload],
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), payload], capture_output=True, text=True, timeout=timeout
+    )
     if out.returncode != 0:
         tail = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
         raise RuntimeError(f"measuring {case.name} failed: {tail}")
@@ -196,15 +195,15 @@ def measure_in_subprocess(case: Case, timeout: int = 600) -> dict:
 
 def predict_case(case: Case, accuracy: float | None = None) -> dict:
     """The planner's prediction for a case, on this CPU (target and drafter share the device)."""
-    from ..config import load_config
-    from .plan import Topology, drafter_device_plan, drafter_phases, target_phases
-    from .report import workload_from_config
-    from .shapes import TargetShape
+    from dflash_trainer.config import load_config
+    from dflash_trainer.planner.plan import Topology, drafter_device_plan, drafter_phases, target_phases
+    from dflash_trainer.planner.report import workload_from_config
+    from dflash_trainer.planner.shapes import TargetShape
 
     cfg = load_config([], ["drafter.mask_token_id=3", *case.overrides])
     shape = TargetShape.from_config(case.config_json(), case.name)
     w = replace(workload_from_config(cfg), packed=case.docs > 1)
-    from .plan import _target_layer_ids
+    from dflash_trainer.planner.plan import _target_layer_ids
 
     ids = _target_layer_ids(shape, w, cfg.target.layer_ids)
     topo = Topology(memory=1 << 62, device_name="cpu", device="cpu", allocator_margin=0.0, cpu_threads=THREADS)
@@ -213,15 +212,21 @@ def predict_case(case: Case, accuracy: float | None = None) -> dict:
         return {"peak": sum(items.values()), "start": items["target weights"], "items": items}
     chunk = cfg.loss.chunk_size
     if chunk is None:
-        from ..loss.fused import chunk_rows
+        from dflash_trainer.loss.fused import chunk_rows
 
-        chunk = chunk_rows(shape.vocab_size, None, None)  # what loss_of does without a chunk size
+        chunk = chunk_rows(shape.vocab_size, None, None)  # what draft_loss does without a chunk size
     correct = 1.0 if accuracy is None else accuracy
     dev = drafter_device_plan(shape, w, topo, ids, chunk, correct_fraction=correct)
     opt = drafter_phases(shape, w, topo, ids, chunk, correct_fraction=correct)["optimizer"]
     start = sum(v for k, v in opt.items() if k not in ("gradients (fp32)", "temporaries (largest step)"))
-    return {"peak": dev.peak, "peak_phase": dev.peak_phase, "phases": dev.phases, "start": start,
-            "items": {i.name: i.bytes for i in dev.items}}
+    return {
+        "peak": dev.peak,
+        "peak_phase": dev.peak_phase,
+        "phases": dev.phases,
+        "start": start,
+        "items": {i.name: i.bytes for i in dev.items},
+    }
+
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])

@@ -1,0 +1,293 @@
+"""``dflash-train eval CKPT [CKPT ...] --data FILE_OR_DIR --out DIR``: acceptance of drafter checkpoints.
+
+Evaluates several checkpoints of one target on the same rows (``inference.acceptance``) and writes
+``DIR/report.json``, ``DIR/acceptance_per_slot.png``, ``DIR/tau_vs_budget.png``,
+``DIR/data_report.json`` and ``DIR/run.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..config.cli_args import add_config_args, resolve_config
+from ..inference.acceptance import DEFAULT_BUDGETS, REPORT_FORMAT, EvalInputError, acceptance_report, check_budgets
+from ..io import atomic_write, atomic_write_json
+
+
+def unique_labels(paths: Sequence[Path]) -> list[str]:
+    """Shortest trailing path parts that tell the checkpoints apart (``run-a/step-0000800``)."""
+    parts = [Path(os.path.abspath(p)).parts for p in paths]  # as typed: symlinks are names too
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]  # the same folder twice: keep what the user typed
+
+
+def plot_acceptance(entries: list[dict], path: Path) -> None:
+    """Acceptance per slot, unconditional (left) and conditional on the slots before (right)."""
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg: no pyplot, no GUI backend
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.subplots(1, 2, sharey=True)
+    for e in entries:
+        r = e["report"]
+        slots = list(range(1, r["block_size"]))
+        left.plot(slots, r["slot_acceptance"], marker="o", label=e["label"])
+        right.plot(slots, [float("nan") if c is None else c for c in r["conditional_acceptance"]], marker="o")
+    left.set_title("P(draft = target greedy) per slot")
+    right.set_title("same, given all earlier slots accepted")
+    for ax in (left, right):
+        ax.set_xlabel("slot k")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    left.set_ylabel("acceptance")
+    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncols=min(3, len(entries)), fontsize=8)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+
+
+def plot_tau_vs_budget(entries: list[dict], path: Path) -> None:
+    """DDTree tau against the tree budget (log2 axis); each checkpoint's chain tau as a dashed line."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for i, e in enumerate(entries):
+        r = e["report"]
+        color = f"C{i % 10}"
+        ax.plot(r["budgets"], r["ddtree_tau"], marker="o", color=color, label=f"{e['label']} DDTree")
+        ax.axhline(r["tau"], color=color, linestyle="--", linewidth=1, label=f"{e['label']} chain")
+    budgets = sorted({bud for e in entries for bud in e["report"]["budgets"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(bud) for bud in budgets])
+    ax.set_xlabel("DDTree budget (nodes)")
+    ax.set_ylabel("tau (tokens per target pass)")
+    ax.set_title("Acceptance length: DDTree vs chain")
+    ax.grid(alpha=0.3)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+
+
+def format_table(entries: list[dict]) -> str:
+    """One line per checkpoint: blocks, chain tau (sampled anchors), decode-path tau, DDTree tau per budget."""
+    budgets = entries[0]["report"]["budgets"]
+    width = max(10, *(len(e["label"]) for e in entries))
+    head = f"{'checkpoint':<{width}}  {'blocks':>6}  {'chain':>6}  {'decode':>6}  " + "  ".join(
+        f"{'T@' + str(b):>6}" for b in budgets
+    )
+    lines = [head]
+    for e in entries:
+        r = e["report"]
+        decode = f"{r['decode_tau']:>6.3f}" if r.get("decode_tau") is not None else f"{'-':>6}"
+        lines.append(
+            f"{e['label']:<{width}}  {r['blocks']:>6}  {r['tau']:>6.3f}  {decode}  "
+            + "  ".join(f"{t:>6.3f}" for t in r["ddtree_tau"])
+        )
+    return "\n".join(lines)
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def _parse_positive_ints(text: str, what: str) -> list[int]:
+    """``"16,32"`` -> ``[16, 32]``; a one-line error for anything but integers >= 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise EvalInputError(f"{what} must be comma-separated integers >= 1, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise EvalInputError(f"{what} must be integers >= 1, got {text!r}")
+    return values
+
+
+def _parse_positive_int(text: str, what: str) -> int:
+    values = _parse_positive_ints(text, what)
+    if len(values) != 1:
+        raise EvalInputError(f"{what} takes one integer >= 1, got {text!r}")
+    return values[0]
+
+
+def _set_keys(overrides: list[str]) -> set[str]:
+    return {o.split("=", 1)[0].strip() for o in overrides}
+
+
+def _read_metas(checkpoints: list[Path]) -> list[dict]:
+    from ..training.checkpoint import read_checkpoint_config
+
+    metas = []
+    for path in checkpoints:
+        try:
+            metas.append(read_checkpoint_config(path))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EvalInputError(f"checkpoint {path}: drafter_config.json is not valid JSON ({exc})") from None
+    return metas
+
+
+def _target_path(metas: list[dict], cfg, overrides: list[str]) -> str:
+    """The one target every checkpoint is evaluated on: ``--set target.path`` wins over the path the
+    checkpoints recorded; checkpoints of different targets are not comparable, so that is an error."""
+    if "target.path" in {o.split("=", 1)[0].strip() for o in overrides}:
+        return cfg.target.path
+    recorded = {m["target"].get("path") or cfg.target.path for m in metas}
+    if len(recorded) > 1:
+        raise EvalInputError(
+            f"the checkpoints were trained for different targets ({', '.join(sorted(recorded))}); "
+            "evaluate them separately or pick one with --set target.path=..."
+        )
+    return recorded.pop()
+
+
+def _check_checkpoint(path: Path, meta: dict, config, cfg):
+    """The checkpoint's ``DrafterSpec`` after checking it against the target's text ``config``
+    (hidden size, vocabulary, layer count): done before the target's weights are loaded."""
+    from ..training.checkpoint import check_against_config, checkpoint_spec
+
+    ids = list(meta["target"]["layer_ids"])
+    if cfg.target.layer_ids is not None and list(cfg.target.layer_ids) != ids:
+        raise EvalInputError(
+            f"checkpoint {path} was trained on target layer ids {ids}, the config asks for {list(cfg.target.layer_ids)}"
+        )
+    spec = checkpoint_spec(meta, config)
+    # The target will hook the checkpoint's own layer ids: here the ids are checked for range and count.
+    check_against_config(spec, ids, config, f"checkpoint {path}")
+    trained_layers = meta["target"].get("num_layers")
+    if trained_layers is not None and trained_layers != config.num_hidden_layers:
+        raise EvalInputError(
+            f"checkpoint {path} does not match the target: trained on a {trained_layers}-layer "
+            f"target, this one has {config.num_hidden_layers} layers"
+        )
+    return spec
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """``dflash-train eval``: evaluate every checkpoint on the same rows, write the report and plots.
+
+    Every input is checked (arguments, checkpoints against the target's config, data) before the
+    target's weights are loaded: a bad input fails in seconds, even for a 54 GB target."""
+    from ..config import write_resolved_config
+    from ..data.documents import load_documents
+    from ..data.packing import pack_documents
+    from ..model.loading import load_target, load_target_config
+    from ..model.target import TargetModel
+    from ..training.checkpoint import load_drafter
+
+    budgets = check_budgets(_parse_positive_ints(args.budgets, "--budgets"))
+    max_blocks = _parse_positive_int(args.max_blocks_per_row, "--max-blocks-per-row")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise EvalInputError(f"--out {out} exists and is not a folder")
+    cfg = resolve_config(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoints = [Path(c) for c in args.checkpoints]
+    metas = _read_metas(checkpoints)
+    target_path = _target_path(metas, cfg, args.overrides)
+    config, tokenizer, _ = load_target_config(target_path)
+    specs = [_check_checkpoint(path, meta, config, cfg) for path, meta in zip(checkpoints, metas)]
+
+    # One row set for all checkpoints, so they are compared on the same text; every document must
+    # hold a block of the largest block size.
+    out.mkdir(parents=True, exist_ok=True)
+    docs, data_report = load_documents(
+        args.data,
+        tokenizer,
+        vocab_size=config.vocab_size,
+        min_tokens=max(s.block_size for s in specs),
+        max_bad_fraction=cfg.data.max_bad_fraction,
+        report_path=out / "data_report.json",
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = pack_documents(docs, cfg.data.seq_len, pad)
+
+    model, _, _ = load_target(cfg.target.model_copy(update={"path": target_path}))
+    model.to(device)
+    print(
+        f"data: {data_report.n_documents} documents ({data_report.n_tokens:,} tokens), {data_report.n_bad} bad "
+        f"records skipped; {len(rows)} rows of {cfg.data.seq_len} tokens; target {target_path} on {device}",
+        flush=True,
+    )
+    entries = []
+    for path, label, meta in zip(checkpoints, unique_labels(checkpoints), metas):
+        target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
+        drafter, _ = load_drafter(path, target)  # checks again, against the loaded weights' shapes
+        drafter.to(device)
+        report = acceptance_report(
+            target,
+            drafter,
+            rows,
+            budgets=budgets,
+            max_blocks_per_row=max_blocks,
+            seed=args.seed,
+            attention_backend=cfg.drafter.attention_backend,
+        )
+        print(f"{label}: chain tau {report['tau']:.3f} over {report['blocks']} blocks", flush=True)
+        entries.append(
+            {
+                "label": label,
+                "path": str(path),
+                "step": meta.get("step"),
+                "layer_ids": target.layer_ids,
+                "report": report,
+            }
+        )
+        del drafter
+
+    result = {
+        "format": REPORT_FORMAT,
+        "target": target_path,
+        "data": list(args.data),
+        "seq_len": cfg.data.seq_len,
+        "rows": len(rows),
+        "max_blocks_per_row": max_blocks,
+        "seed": args.seed,
+        "budgets": budgets,
+        "checkpoints": entries,
+    }
+    atomic_write_json(out / "report.json", result)
+    plot_acceptance(entries, out / "acceptance_per_slot.png")
+    plot_tau_vs_budget(entries, out / "tau_vs_budget.png")
+    write_resolved_config(cfg, out)
+    print(format_table(entries))
+    print(f"wrote {out / 'report.json'}, {out / 'acceptance_per_slot.png'}, {out / 'tau_vs_budget.png'}")
+    return 0
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``eval`` on the main CLI's sub-parsers; its ``func`` is ``run_eval``."""
+    p = subparsers.add_parser(
+        "eval",
+        help="teacher-forced chain and DDTree acceptance of drafter checkpoints, with plots",
+        description="Measure how many drafted tokens the target would accept (chain tau, acceptance per "
+        "slot, DDTree tau per budget) on held-out data, for one or more checkpoints of the same target. "
+        "Writes DIR/report.json, DIR/acceptance_per_slot.png and DIR/tau_vs_budget.png.",
+    )
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="drafter checkpoint folder(s)")
+    p.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        metavar="FILE_OR_DIR",
+        help="held-out JSONL (chat or pre-tokenized records), or a folder of *.jsonl; repeatable",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument(
+        "--budgets",
+        default=",".join(map(str, DEFAULT_BUDGETS)),
+        metavar="N,N,...",
+        help=f"DDTree budgets (default {','.join(map(str, DEFAULT_BUDGETS))})",
+    )
+    p.add_argument("--max-blocks-per-row", default="64", metavar="N", help="blocks sampled per packed row (default 64)")
+    p.add_argument("--seed", type=int, default=1234, help="anchor sampling seed (default 1234)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    add_config_args(
+        p,
+        default_preset="tiny-demo",
+        set_help="dotted override, e.g. --set target.path=/models/qwen (default: the checkpoint's target)",
+    )
+    p.set_defaults(func=run_eval)
+    return p

@@ -1,0 +1,211 @@
+"""``dflash-train generate``: regenerate a chat data set with the target, resumably and atomically.
+
+Records go to ``OUT.partial``, flushed after each batch; it is renamed to ``OUT`` only when every
+input record has been handled, and a rerun skips the input records whose ``"source"`` (``file:line``)
+is already in ``OUT.partial``. ``OUT.report.json`` counts the records written and the records
+skipped, by reason, with their ``file:line``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+from ..config.cli_args import add_config_args, resolve_config
+from ..data.records import expand_paths, iter_records
+from ..errors import UserError
+from ..inference.regenerate import GenerationStats, Skipped, regenerate_batches
+from ..io import atomic_write_json
+
+
+def _source_key(source: str) -> tuple[str, int]:
+    """``"file:line"`` -> (absolute file, line): ``data/x.jsonl`` and ``./data/x.jsonl`` are one file."""
+    file, _, line = source.rpartition(":")
+    return str(Path(file).resolve()), int(line)
+
+
+def _load_partial(partial: Path) -> set[tuple[str, int]]:
+    """Sources already written to ``partial``; a line torn by a kill mid-write is cut off the file."""
+    if not partial.exists():
+        return set()
+    done: set[tuple[str, int]] = set()
+    good_bytes = 0
+    with open(partial, "rb") as f:
+        lines = f.readlines()
+    for number, raw in enumerate(lines, 1):
+        try:
+            if not raw.endswith(b"\n"):
+                raise ValueError("torn line")
+            done.add(_source_key(json.loads(raw)["source"]))
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):  # only the last line can be torn by an interruption
+                break
+            raise UserError(f"{partial}:{number} is not an output record; delete {partial} to start over") from None
+        good_bytes += len(raw)
+    if good_bytes < partial.stat().st_size:
+        os.truncate(partial, good_bytes)
+    return done
+
+
+def _count_records(files: list[Path]) -> int:
+    """Non-blank lines, i.e. what ``iter_records`` will yield (sizes the progress bar)."""
+    n = 0
+    for file in files:
+        with open(file, "rb") as f:
+            n += sum(1 for line in f if line.strip())
+    return n
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """The ``generate`` sub-command: regenerate ``--input`` into ``--output``; 0 on success."""
+    out = Path(args.output).expanduser()
+    partial = out.with_name(out.name + ".partial")
+    report_path = out.with_name(out.name + ".report.json")
+    # Every check that needs no model comes first, so a typo costs no model load.
+    if not out.parent.is_dir():
+        raise UserError(f"output folder {out.parent} does not exist")
+    if out.exists():
+        raise UserError(f"{out} already exists (a finished run); remove it or choose another --output")
+    files = expand_paths(args.input)
+    if out.resolve() in {f.resolve() for f in files}:
+        raise UserError(f"--output {out} is also an input file")
+    cfg = resolve_config(args)
+    done = _load_partial(partial)
+
+    import torch
+
+    from ..model.loading import load_target
+
+    model, tokenizer, target_folder = load_target(cfg.target)
+    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    total = _count_records(files)
+    if args.limit is not None:
+        total = min(total, args.limit)
+    records = itertools.islice(iter_records([str(f) for f in files]), args.limit)
+    todo = (r for r in records if (str(Path(r.source).resolve()), r.line) not in done)
+
+    stats = GenerationStats()
+    skipped: dict[str, list[str]] = {}
+    written = len(done)
+    start = time.perf_counter()
+    with open(partial, "a", encoding="utf-8") as f:
+        for batch in regenerate_batches(
+            todo,
+            model,
+            tokenizer,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            progress=not args.no_progress,
+            total=max(total - len(done), 0),
+            stats=stats,
+        ):
+            for item in batch:
+                if isinstance(item, Skipped):
+                    skipped.setdefault(item.reason, []).append(item.source)
+                else:
+                    f.write(json.dumps(item, ensure_ascii=False) + "\n")
+                    written += 1
+            # A kill loses at most the batch in flight: everything before it is on disk.
+            f.flush()
+            os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    generated = written - len(done)
+    report = {
+        "output": str(out),
+        "inputs": [str(f) for f in files],
+        "target": str(target_folder),
+        "settings": {
+            "max_new_tokens": args.max_new_tokens,
+            "batch_size": args.batch_size,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "limit": args.limit,
+        },
+        "records_written": written,
+        "records_resumed": len(done),
+        "records_generated": generated,
+        "records_skipped": sum(len(v) for v in skipped.values()),
+        "skipped": {reason: {"count": len(srcs), "records": srcs} for reason, srcs in sorted(skipped.items())},
+        "assistant_turns": stats.turns,
+        "truncated_turns": stats.truncated_turns,
+        "new_tokens": stats.new_tokens,
+        "seconds": round(seconds, 3),
+        "records_per_second": round(generated / seconds, 3) if seconds > 0 else None,
+        "new_tokens_per_second": round(stats.new_tokens / seconds, 1) if seconds > 0 else None,
+    }
+    # Report first, then the rename: once OUT exists, its report does too.
+    atomic_write_json(report_path, report)
+    os.replace(partial, out)
+    print(
+        f"wrote {written} records to {out} ({len(done)} resumed, {generated} generated in {seconds:.1f} s, "
+        f"{report['records_per_second']} records/s, {stats.new_tokens} new tokens)"
+    )
+    for reason, srcs in sorted(skipped.items()):
+        shown = ", ".join(srcs[:3]) + (", ..." if len(srcs) > 3 else "")
+        print(f"skipped {len(srcs)}: {reason} ({shown})")
+    print(f"report: {report_path}")
+    return 0
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``generate`` on the main CLI's sub-parsers; its ``func`` is ``run_generate``."""
+    p = subparsers.add_parser(
+        "generate",
+        help="regenerate the assistant turns of a chat data set with the target",
+        description="Replace every assistant turn of chat JSONL records with the target's own output "
+        "(DFlash drafters learn the target's distribution). Writes OUT.partial, resumes from it on a "
+        "rerun, renames it to OUT at the end, and writes OUT.report.json.",
+    )
+    add_config_args(
+        p,
+        default_preset="tiny-demo",
+        set_help="dotted override applied after all --config files, e.g. --set target.path=/models/qwen",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="JSONL file or folder of *.jsonl; repeat for several",
+    )
+    p.add_argument("--output", required=True, metavar="OUT.jsonl", help="output JSONL (its folder must exist)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per assistant turn (default 256)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="records generated together (default 8)")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass when sampling (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N input records")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_generate)
+    return p

@@ -1,0 +1,154 @@
+"""``dflash-train speculate``: real speculative decoding of prompts, checked against the target alone.
+
+    dflash-train speculate --drafter CKPT --input prompts.jsonl --output out.jsonl [--mode chain|ddtree]
+                           [--budget N ...] [--max-new-tokens N] [--limit N]
+
+Each prompt (the conversation up to its first assistant turn) is decoded greedily by the target alone
+and speculatively (``inference.speculative``); the outputs must agree token for token. Writes
+``OUT`` (one record per prompt: text, tau per mode) and ``OUT.report.json`` (tau, tokens/s, speedup,
+mismatches per mode), both atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config.cli_args import add_config_args, resolve_config
+from ..errors import UserError
+from ..io import atomic_write_json, atomic_write_text
+
+
+def run_speculate(args: argparse.Namespace) -> int:
+    """Decode each prompt with the target alone and speculatively, check they agree token for token,
+    report tau, tokens/s and the speedup; exit status 1 when any output differs."""
+    from ..config import TargetConfig
+    from ..data.records import Record, iter_records
+    from ..inference.regenerate import eos_ids
+    from ..inference.speculative import SpeculativeDecoder, target_greedy
+    from ..model.loading import load_target_model
+    from ..training.checkpoint import load_drafter, read_checkpoint_config
+
+    cfg = resolve_config(args)
+    budgets = args.budget or [64]
+    if any(b < 1 for b in budgets):
+        raise UserError(f"--budget must be >= 1, got {min(budgets)}")
+    meta = read_checkpoint_config(args.drafter)
+    target_cfg = (
+        cfg.target
+        if cfg.target.path != "tiny" or meta["target"].get("path") in (None, "tiny")
+        else TargetConfig(path=meta["target"]["path"], dtype=cfg.target.dtype)
+    )
+    target, tok = load_target_model(target_cfg, layer_ids=meta["target"]["layer_ids"])
+    model = target.model
+    drafter, _ = load_drafter(args.drafter, target, dtype=model.dtype)
+    eos = eos_ids(model, tok)
+    prompts = []
+    for rec in iter_records(args.input):
+        if not isinstance(rec, Record) or rec.messages is None:
+            continue
+        first_assistant = next((i for i, m in enumerate(rec.messages) if m["role"] == "assistant"), None)
+        if first_assistant is None:
+            continue
+        ids = tok.apply_chat_template(rec.messages[:first_assistant], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        prompts.append((f"{rec.source}:{rec.line}", list(ids)))
+        if args.limit and len(prompts) >= args.limit:
+            break
+    if not prompts:
+        raise UserError("no prompts: the input has no chat record with an assistant turn")
+    decoder = SpeculativeDecoder(target, drafter, eos)
+    modes = [("chain", None)] if args.mode == "chain" else [("ddtree", b) for b in budgets]
+    totals = {
+        name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "mismatches": 0}
+        for name in ["target"] + [m if b is None else f"{m}-{b}" for m, b in modes]
+    }
+    outputs = []
+    for source, ids in prompts:
+        ref, secs = target_greedy(model, ids, args.max_new_tokens, eos)
+        totals["target"]["tokens"] += len(ref)
+        totals["target"]["seconds"] += secs
+        record = {"source": source, "target_tokens": len(ref), "text": tok.decode(ref, skip_special_tokens=True)}
+        for mode, budget in modes:
+            name = mode if budget is None else f"{mode}-{budget}"
+            res = decoder.generate(ids, args.max_new_tokens, mode, budget=budget or 1)
+            t = totals[name]
+            t["tokens"] += len(res.tokens)
+            t["seconds"] += res.seconds
+            t["rounds"] += len(res.accepted)
+            t["accepted"] += sum(a + 1 for a in res.accepted)
+            t["mismatches"] += int(res.tokens != ref)
+            record[f"{name}_tau"] = res.tau
+        outputs.append(record)
+    base_rate = totals["target"]["tokens"] / totals["target"]["seconds"]
+    summary = {
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "target_tokens_per_s": base_rate,
+        "modes": {},
+    }
+    print(f"{len(prompts)} prompts, target-only greedy: {base_rate:.1f} tokens/s")
+    for name, t in totals.items():
+        if name == "target":
+            continue
+        rate = t["tokens"] / t["seconds"]
+        summary["modes"][name] = {
+            "tau": t["accepted"] / max(1, t["rounds"]),
+            "tokens_per_s": rate,
+            "speedup": rate / base_rate,
+            "mismatches": t["mismatches"],
+        }
+        s = summary["modes"][name]
+        print(
+            f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x, "
+            f"outputs differing from target greedy: {t['mismatches']}"
+        )
+    out = Path(args.output)
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in outputs))
+    report = atomic_write_json(out.with_name(out.name + ".report.json"), summary)
+    print(f"report: {report}")
+    return 1 if any(s["mismatches"] for s in summary["modes"].values()) else 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "speculate",
+        help="speculative decoding with a drafter (chain or DDTree), checked against the target alone",
+        description="Decode each prompt greedily with the target alone and speculatively with --drafter; check "
+        "that the outputs agree token for token and report tau, tokens/s and the speedup.",
+    )
+    add_config_args(
+        p,
+        default_preset="tiny-demo",
+        set_help="dotted override, e.g. --set target.path=/models/qwen (default: the checkpoint's target)",
+    )
+    p.add_argument("--drafter", metavar="CHECKPOINT", required=True, help="drafter checkpoint folder")
+    p.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="chat JSONL (file or folder); each record's turns before its first assistant turn are a prompt",
+    )
+    p.add_argument("--output", required=True, metavar="OUT.jsonl", help="one output record per prompt")
+    p.add_argument("--mode", choices=["chain", "ddtree"], default="chain", help="verification (default chain)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        action="append",
+        default=None,
+        metavar="N",
+        help="DDTree node budget; repeat for several (default 64)",
+    )
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per prompt (default 256)")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N prompts")
+    p.set_defaults(func=run_speculate)
+    return p

@@ -1,0 +1,243 @@
+"""Teacher-forced acceptance of drafter checkpoints: chain and DDTree, as JSON and plots (``dflash-train eval``).
+
+For greedy decoding a block's drafts do not depend on anything inside the block, so acceptance can
+be measured on held-out packed rows in one pass, without running the decoding loop
+(shared/DESIGN.md section 2). Per block of size B anchored at position a:
+
+    greedy_k = argmax W h_target[a + k - 1]           the target's greedy token for slot k (k = 1..B-1)
+    draft_k  = argmax W h_drafter[slot k]             the drafter's chain proposal
+    chain:   accepted = longest prefix with draft_k == greedy_k            (0..B-1)
+    DDTree:  accepted = depth of the greedy path inside build_tree(log_softmax(W h_drafter[1..B-1]), budget)
+    tau = mean(accepted + 1)                          (+1: the target's bonus token)
+
+``W`` is the target's frozen ``lm_head`` ``[V, H]``; only the selected rows are projected, a few
+blocks at a time, so no ``[L x V]`` (nor ``[blocks x B x V]`` for a big vocabulary) tensor exists.
+``teacher_forced_blocks`` is the one scorer: training's periodic evaluation, ``dflash-train eval``
+and the decode-path walk all read their drafts and greedy tokens from it, with the configured
+attention backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from numbers import Integral
+
+import torch
+
+from ..data.blocks import build_blocks, sample_anchors, valid_anchor_positions
+from ..data.packing import doc_ids_from_positions
+from ..errors import UserError
+from ..loss.logits import transform_logits
+from ..model.drafter import DFlashDrafter
+from .ddtree import accepted_in_tree, build_tree
+
+DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512)
+REPORT_FORMAT = "dflash-trainer-eval/1"
+# Logit elements one projection chunk may hold: 2**24 fp32 = 64 MiB. A 248K vocabulary with B = 16
+# gives 4 blocks per chunk; the 8K-token tiny target does a row's blocks at once.
+MAX_LOGIT_ELEMENTS = 1 << 24
+
+
+class EvalInputError(UserError, ValueError):
+    """A bad evaluation input (budget, block count, data, checkpoint), explained in one line."""
+
+
+def check_budgets(budgets: Sequence[int]) -> list[int]:
+    """Sorted distinct DDTree budgets; each must be an integer >= 1."""
+    if not budgets:
+        raise EvalInputError("no DDTree budget given")
+    bad = [b for b in budgets if isinstance(b, bool) or not isinstance(b, Integral) or b < 1]
+    if bad:
+        raise EvalInputError(f"DDTree budgets must be integers >= 1, got {bad[0]!r}")
+    return sorted({int(b) for b in budgets})
+
+
+@torch.no_grad()
+def teacher_forced_blocks(
+    target,
+    drafter: DFlashDrafter,
+    row,
+    anchors: torch.Tensor,
+    *,
+    attention_backend: str = "dense",
+    max_logit_elements: int = MAX_LOGIT_ELEMENTS,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The one teacher-forced scorer. For ``anchors`` ``[n]`` of a packed ``row`` (``[L]`` tensors),
+    yields ``(draft_logits [g, B-1, V], greedy [g, B-1])`` a few blocks at a time: the drafter's raw
+    head logits of slots 1..B-1 and the target's greedy token for each slot. Each chunk holds at most
+    ``max_logit_elements`` logits (never ``[L x V]``); the drafter runs with ``attention_backend``."""
+    b = drafter.spec.block_size
+    head = drafter.lm_head_weight  # [V, H]
+    dev, vocab = head.device, head.shape[0]
+    per_chunk = max(1, max_logit_elements // ((b - 1) * vocab))
+    # Anchors and blocks are index bookkeeping, done on the CPU.
+    ids, pos, loss_mask = row.input_ids.cpu(), row.position_ids.cpu(), row.loss_mask.cpu()
+    doc = doc_ids_from_positions(pos)
+    feats = target.features(ids.to(dev), pos.to(dev), need_teacher=True)  # [L, k*H], [L, H]
+    for start in range(0, anchors.numel(), per_chunk):
+        part = anchors[start : start + per_chunk]
+        g = part.numel()
+        blocks = build_blocks(
+            ids, pos, loss_mask, part, block_size=b, mask_token_id=drafter.spec.mask_token_id, gamma=1.0
+        )  # gamma only weights the loss; acceptance ignores it
+        masks = drafter.build_masks(blocks.anchors.to(dev), blocks.doc_ids.to(dev), doc.to(dev), attention_backend)
+        hidden = drafter(
+            blocks.input_ids.to(dev), blocks.position_ids.to(dev), feats.context, pos.to(dev), masks, attention_backend
+        ).view(g, b, -1)  # [g, B, H]
+        draft_logits = hidden[:, 1:].to(head.dtype) @ head.T  # [g, B-1, V]
+        teacher_index = blocks.teacher_index[:, 1:].to(dev)  # [g, B-1]: anchor + k - 1
+        greedy = (feats.last_hidden[teacher_index].to(head.dtype) @ head.T).argmax(-1)  # [g, B-1]
+        yield draft_logits, greedy
+        del draft_logits, hidden
+
+
+@torch.no_grad()
+def acceptance_report(
+    target,
+    drafter: DFlashDrafter,
+    rows: Sequence,
+    *,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    max_blocks_per_row: int = 64,
+    seed: int = 1234,
+    attention_backend: str = "dense",
+    max_logit_elements: int = MAX_LOGIT_ELEMENTS,
+    decode_path: bool = True,
+) -> dict:
+    """Chain and DDTree acceptance of ``drafter`` against ``target``'s greedy tokens on packed ``rows``.
+
+    ``target`` is a ``TargetModel``; each row is a ``PackedRow`` (``[L]`` tensors, on the CPU or the
+    target's device). Up to ``max_blocks_per_row`` anchors per row are drawn with a generator seeded
+    by ``seed``. ``budgets`` may be empty (chain only, as training's periodic evaluation asks);
+    ``decode_path`` adds the decode-path tau. Returns (B = block size, N = blocks evaluated):
+
+        tau                     chain tau, mean(accepted + 1)
+        slot_acceptance         [B-1]  P(draft_k == greedy_k), slots 1..B-1
+        conditional_acceptance  [B-1]  P(draft_k == greedy_k | slots 1..k-1 accepted); None where no
+                                       block got that far
+        reach                   [B-1]  P(accepted >= k); sums to tau - 1
+        accepted_histogram      [B]    blocks with 0..B-1 accepted drafts; sums to N
+        budgets, ddtree_tau     DDTree tau per budget (same order)
+        decode_tau, decode_rounds  (with ``decode_path``)
+        blocks, rows, rows_without_blocks, block_size
+    """
+    budgets = check_budgets(budgets) if budgets else []
+    if isinstance(max_blocks_per_row, bool) or not isinstance(max_blocks_per_row, int) or max_blocks_per_row < 1:
+        raise EvalInputError(f"max blocks per row must be an integer >= 1, got {max_blocks_per_row!r}")
+    if not rows:
+        raise EvalInputError("no evaluation rows: the data set is empty")
+    b = drafter.spec.block_size
+    gen = torch.Generator().manual_seed(seed)
+    accepted_parts, match_parts, tree_parts = [], [], []
+    rows_used = rows_empty = 0
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for row in rows:
+            doc = doc_ids_from_positions(row.position_ids.cpu())
+            anchors = sample_anchors(row.loss_mask.cpu(), doc, b, max_blocks_per_row, gen)
+            if anchors.numel() == 0:
+                rows_empty += 1
+                continue
+            rows_used += 1
+            for draft_logits, greedy in teacher_forced_blocks(
+                target,
+                drafter,
+                row,
+                anchors,
+                attention_backend=attention_backend,
+                max_logit_elements=max_logit_elements,
+            ):
+                match = draft_logits.argmax(-1) == greedy  # [g, B-1]
+                accepted_parts.append(match.long().cumprod(1).sum(1).cpu())
+                match_parts.append(match.cpu())
+                if budgets:
+                    logits = transform_logits(draft_logits.float(), **drafter.spec.logit_options)
+                    log_probs = torch.log_softmax(logits, dim=-1)
+                    for j, path in enumerate(greedy.tolist()):
+                        tree_parts.append(
+                            [accepted_in_tree(build_tree(log_probs[j], budget), path) for budget in budgets]
+                        )
+                    del logits, log_probs
+    finally:
+        drafter.train(was_training)
+    if not accepted_parts:
+        raise EvalInputError(
+            f"no valid block of {b} tokens in {len(rows)} evaluation rows (an anchor needs "
+            f"loss_mask 1 and {b - 1} more tokens of the same document)"
+        )
+    accepted = torch.cat(accepted_parts)  # [N]
+    match = torch.cat(match_parts).double()  # [N, B-1]
+    total = accepted.numel()
+    reach_counts = [(accepted >= k).sum().item() for k in range(b)]  # reach_counts[0] == N
+    conditional = [reach_counts[k] / reach_counts[k - 1] if reach_counts[k - 1] else None for k in range(1, b)]
+    report = {
+        "block_size": b,
+        "blocks": total,
+        "rows": rows_used,
+        "rows_without_blocks": rows_empty,
+        "tau": (accepted.double() + 1).mean().item(),
+        "slot_acceptance": match.mean(0).tolist(),
+        "conditional_acceptance": conditional,
+        "reach": [c / total for c in reach_counts[1:]],
+        "accepted_histogram": torch.bincount(accepted, minlength=b).tolist(),
+        "budgets": budgets,
+        "ddtree_tau": (torch.tensor(tree_parts, dtype=torch.float64) + 1).mean(0).tolist() if budgets else [],
+    }
+    if decode_path:
+        decode = decode_path_acceptance(
+            target, drafter, rows, attention_backend=attention_backend, max_logit_elements=max_logit_elements
+        )
+        report = {"decode_tau": decode["tau"], "decode_rounds": decode["rounds"], **report}
+    return report
+
+
+@torch.no_grad()
+def decode_path_acceptance(
+    target,
+    drafter: DFlashDrafter,
+    rows: Sequence,
+    *,
+    attention_backend: str = "dense",
+    max_logit_elements: int = MAX_LOGIT_ELEMENTS,
+) -> dict:
+    """Tau along the path greedy speculative decoding takes through each document's response.
+
+    The sampled-anchor ``tau`` weights every position alike; decoding visits an anchor, accepts ``a``
+    drafts and jumps to ``anchor + a + 1``, so it spends more rounds where drafts fail. Here every
+    valid anchor's teacher-forced acceptance is computed in the training layout, then each document
+    is walked from its first loss position the way ``speculate --mode chain`` walks it:
+    ``tau = mean(a + 1)`` over the visited anchors. On the target's own greedy responses this is the
+    tau that speculative decoding measures (tested against it).
+    """
+    b = drafter.spec.block_size
+    was_training = drafter.training
+    drafter.eval()
+    visited = []
+    try:
+        for row in rows:
+            doc = doc_ids_from_positions(row.position_ids.cpu())
+            anchors = valid_anchor_positions(row.loss_mask.cpu(), doc, b)
+            if anchors.numel() == 0:
+                continue
+            counts = []
+            for draft_logits, greedy in teacher_forced_blocks(
+                target,
+                drafter,
+                row,
+                anchors,
+                attention_backend=attention_backend,
+                max_logit_elements=max_logit_elements,
+            ):
+                counts += (draft_logits.argmax(-1) == greedy).long().cumprod(1).sum(1).tolist()
+            accepted = dict(zip(anchors.tolist(), counts))
+            for d in doc[anchors].unique().tolist():  # walk each document from its first valid anchor
+                p = int(anchors[doc[anchors] == d][0])
+                while p in accepted:
+                    visited.append(accepted[p])
+                    p += accepted[p] + 1
+    finally:
+        drafter.train(was_training)
+    if not visited:
+        return {"tau": None, "rounds": 0}
+    return {"tau": sum(a + 1 for a in visited) / len(visited), "rounds": len(visited)}

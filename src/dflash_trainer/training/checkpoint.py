@@ -1,0 +1,193 @@
+"""Checkpoints, the one owner: drafter weights, metadata, trainer state, checksums, verification, resume.
+
+    CHECKPOINT/drafter.safetensors   fc, hidden_norm, layers.*, norm (no embedding, no lm_head)
+    CHECKPOINT/drafter_config.json   {"format", "spec": DrafterSpec fields, "target": {...}, "step"?}
+    CHECKPOINT/trainer_state.pt      optimizer, scheduler, RNG states, counters (training checkpoints)
+    CHECKPOINT/run.yaml              the resolved config of the run that wrote it (training checkpoints)
+    CHECKPOINT/checksums.json        sha256 of every other file (training checkpoints)
+
+A drafter-only checkpoint (``save_drafter``) is what eval, speculate and export read; a training
+checkpoint (``save_training_checkpoint``) adds what a bit-identical resume needs. Both are written
+into one temporary folder and renamed into place (``io.atomic_folder``). Loading checks the
+checkpoint against the target it is used with and names every mismatch in one error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import RunConfig, dump_config
+from ..errors import UserError
+from ..io import atomic_folder, sha256_file
+from ..model.drafter import DFlashDrafter, DrafterSpec
+from ..model.target import head_logit_options
+
+WEIGHTS = "drafter.safetensors"
+CONFIG = "drafter_config.json"
+STATE_FILE = "trainer_state.pt"
+CHECKSUMS = "checksums.json"
+FORMAT = "dflash-trainer-drafter/1"
+
+
+def target_summary(target) -> dict:
+    """What a drafter must agree with: ``target`` is a ``TargetModel``."""
+    return {
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "layer_ids": list(target.layer_ids),
+        "architectures": list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__]),
+    }
+
+
+def _write_drafter_files(folder: Path, drafter: DFlashDrafter, meta: dict) -> None:
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS))
+    (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+def _drafter_meta(drafter: DFlashDrafter, target, target_path: str | None, extra: dict | None) -> dict:
+    return {
+        "format": FORMAT,
+        "spec": dataclasses.asdict(drafter.spec),
+        "target": {**target_summary(target), "path": target_path},
+        **(extra or {}),
+    }
+
+
+def save_drafter(
+    drafter: DFlashDrafter, out_dir: Path, *, target, target_path: str | None = None, extra: dict | None = None
+) -> Path:
+    """Write a drafter-only checkpoint folder atomically."""
+    with atomic_folder(Path(out_dir)) as tmp:
+        _write_drafter_files(tmp, drafter, _drafter_meta(drafter, target, target_path, extra))
+    return Path(out_dir)
+
+
+def save_training_checkpoint(
+    final: Path,
+    drafter: DFlashDrafter,
+    trainer_state: dict,
+    cfg: RunConfig,
+    *,
+    target,
+    target_path: str | None,
+    step: int,
+) -> Path:
+    """``final`` = drafter files + trainer state + run.yaml + checksums.json, all or nothing."""
+    with atomic_folder(Path(final)) as tmp:
+        _write_drafter_files(tmp, drafter, _drafter_meta(drafter, target, target_path, {"step": step}))
+        torch.save(trainer_state, tmp / STATE_FILE)
+        (tmp / "run.yaml").write_text(dump_config(cfg), encoding="utf-8")
+        sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=2) + "\n", encoding="utf-8")
+    return Path(final)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if the training checkpoint folder is complete and every checksum matches, else the reason."""
+    sums_file = Path(path) / CHECKSUMS
+    if not sums_file.is_file():
+        return "no checksums.json (incomplete write)"
+    try:
+        sums = json.loads(sums_file.read_text())
+    except json.JSONDecodeError:
+        return "checksums.json is not valid JSON"
+    for name, digest in sums.items():
+        f = Path(path) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if sha256_file(f) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def find_resume_checkpoint(out_dir: Path) -> Path | None:
+    """Newest checkpoint under ``out_dir/checkpoints`` that verifies; corrupted ones are skipped with a warning."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    for path in sorted((p for p in root.iterdir() if p.name.startswith("step-")), reverse=True):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def load_training_state(path: Path, drafter: DFlashDrafter) -> dict:
+    """Load the drafter weights of a training checkpoint into ``drafter``; returns its trainer state."""
+    drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS)))
+    return torch.load(Path(path) / STATE_FILE, weights_only=False)
+
+
+def read_checkpoint_config(path: Path) -> dict:
+    path = Path(path)
+    cfg_file = path / CONFIG
+    if not cfg_file.is_file() or not (path / WEIGHTS).is_file():
+        raise UserError(f"{path} is not a drafter checkpoint (expected {CONFIG} and {WEIGHTS})")
+    meta = json.loads(cfg_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{cfg_file}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def checkpoint_spec(meta: dict, target_config=None) -> DrafterSpec:
+    """The ``DrafterSpec`` of a checkpoint's metadata; a checkpoint written before the spec carried the
+    head's logit options takes them from ``target_config``."""
+    spec = dict(meta["spec"])
+    if "logit_scale" not in spec and target_config is not None:
+        options = head_logit_options(target_config)
+        spec.update(logit_scale=options["logit_scale"], logit_softcap=options["softcap"])
+    return DrafterSpec.from_dict(spec)
+
+
+def _mismatches(spec: DrafterSpec, layer_ids: list[int], hidden: int, vocab: int, num_layers: int) -> list[str]:
+    problems = []
+    if spec.hidden_size != hidden:
+        problems.append(f"hidden size {spec.hidden_size} != target's {hidden}")
+    if spec.vocab_size != vocab:
+        problems.append(f"vocabulary {spec.vocab_size} != target's {vocab}")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"layer ids {bad} outside the target's 0..{num_layers - 1}")
+    if len(layer_ids) != spec.num_features:
+        problems.append(f"{len(layer_ids)} layer ids for {spec.num_features} feature layers")
+    if spec.block_size < 2:
+        problems.append(f"block size {spec.block_size} < 2")
+    if not 0 <= spec.mask_token_id < vocab:
+        problems.append(f"mask token id {spec.mask_token_id} outside the target vocabulary")
+    return problems
+
+
+def check_against_target(spec: DrafterSpec, layer_ids: list[int], target, where: str) -> None:
+    """One error naming every mismatch between a drafter (spec, layer ids) and a loaded ``TargetModel``,
+    whose hooked layers must be exactly ``layer_ids``."""
+    problems = _mismatches(spec, layer_ids, target.hidden_size, target.vocab_size, target.num_layers)
+    if list(layer_ids) != list(target.layer_ids):
+        problems.append(f"layer ids {list(layer_ids)} != the target's hooked ids {list(target.layer_ids)}")
+    if problems:
+        raise UserError(f"{where} does not match the target: " + "; ".join(problems))
+
+
+def check_against_config(spec: DrafterSpec, layer_ids: list[int], config, where: str) -> None:
+    """The same check against a target's (text) config, before its weights are loaded."""
+    problems = _mismatches(spec, layer_ids, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    if problems:
+        raise UserError(f"{where} does not match the target: " + "; ".join(problems))
+
+
+def load_drafter(path: Path, target, dtype: torch.dtype = torch.float32) -> tuple[DFlashDrafter, dict]:
+    """``(drafter in eval mode, checkpoint metadata)`` for ``target`` (a ``TargetModel``)."""
+    meta = read_checkpoint_config(path)
+    spec = checkpoint_spec(meta, target.config)
+    check_against_target(spec, meta["target"]["layer_ids"], target, f"checkpoint {path}")
+    drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
+    drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS)))
+    return drafter.to(dtype).eval(), meta
