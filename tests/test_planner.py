@@ -153,7 +153,7 @@ def test_predicted_peak_of_real_cpu_steps_within_10_percent():
 
 def test_seed_case_fits_only_with_the_remedy_and_naive_reproduces_design_figures():
     cfg = load_config(["ddtree-experiment"])
-    assert (cfg.topology.gpu, cfg.topology.target_gpus, cfg.topology.drafter_gpus) == ("rtx-pro-6000", 7, 1)
+    assert (cfg.topology.gpu, cfg.topology.target_ranks, cfg.topology.drafter_ranks) == ("rtx-pro-6000", 7, 1)
     plan = plan_for_config(cfg)
     assert plan.fits, render_text(plan)
     assert [d.role for d in plan.devices] == ["target GPU", "drafter GPU"]

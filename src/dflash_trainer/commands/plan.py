@@ -43,14 +43,14 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         type=_int_arg("--target-gpus"),
         default=None,
         metavar="N",
-        help="GPUs running target replicas; 0 = target on the drafter's device (default: topology.target_gpus)",
+        help="GPUs running target replicas; 0 = target on the drafter's device (default: topology.target_ranks)",
     )
     p.add_argument(
         "--drafter-gpus",
         type=_int_arg("--drafter-gpus"),
         default=None,
         metavar="N",
-        help="GPUs training the drafter (default: topology.drafter_gpus)",
+        help="GPUs training the drafter (default: topology.drafter_ranks)",
     )
     p.add_argument(
         "--naive",

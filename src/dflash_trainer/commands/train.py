@@ -7,19 +7,38 @@ from pathlib import Path
 
 from ..config import RunConfig, write_resolved_config
 from ..config.cli_args import add_config_args, resolve_config
+from ..errors import UserError
 from ..io import atomic_write_json
 from ..planner.preflight import preflight
+from ..training import distributed
+from ..training.checkpoint import read_counters
+from ..training.distributed import check_launch, launched_world
 from ..training.setup import prepare
-from ..training.trainer import Trainer
+from ..training.trainer import RowStream, Trainer
 
 
 def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = True, overwrite: bool = False) -> dict:
+    """One process (``topology.target_ranks`` 0), or this process's role in a torchrun launch."""
     out = Path(cfg.output_dir)
+    # The launch must match the topology, on every rank, before anything is loaded.
+    check_launch(cfg, launched_world())
     # Plan this run before the target or the data are loaded: refuse what will not fit, and fill in the
     # loss chunk the planner derives (so run.yaml records it). topology.preflight=false overrides.
     cfg = preflight(cfg)
+    if cfg.topology.target_ranks:
+        return run_distributed(cfg, resume=resume, progress=progress, overwrite=overwrite)
     write_resolved_config(cfg, out)
     target, tokenizer, train_rows, eval_rows, report = prepare(cfg)
+    _print_data(cfg, report, train_rows, eval_rows)
+    trainer = Trainer(
+        cfg, target, tokenizer, train_rows, eval_rows, out_dir=out, target_path=cfg.target.path, progress=progress
+    )
+    result = trainer.fit(resume=resume, overwrite=overwrite)
+    return _finish(cfg, trainer, result)
+
+
+def _print_data(cfg: RunConfig, report, train_rows, eval_rows) -> None:
+    out = Path(cfg.output_dir)
     skipped = ", ".join(f"{n} {kind}" for kind, n in report.counts.items()) or "none"
     print(
         f"data: {report.n_documents} documents ({report.n_tokens:,} tokens, {report.n_loss_tokens:,} with loss); "
@@ -27,10 +46,10 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
         f"{len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens",
         flush=True,
     )
-    trainer = Trainer(
-        cfg, target, tokenizer, train_rows, eval_rows, out_dir=out, target_path=cfg.target.path, progress=progress
-    )
-    result = trainer.fit(resume=resume, overwrite=overwrite)
+
+
+def _finish(cfg: RunConfig, trainer: Trainer, result: dict) -> dict:
+    out = Path(cfg.output_dir)
     final = out / "checkpoints" / f"step-{trainer.c.step:07d}"
     summary = {
         "steps": trainer.c.step,
@@ -42,6 +61,86 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     atomic_write_json(out / "summary.json", summary)
     print(f"done: tau {result.get('tau', float('nan')):.3f} on held-out rows; checkpoint {final}", flush=True)
     return summary
+
+
+def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite: bool) -> dict:
+    """This rank's part of a torchrun launch: target ranks produce and send, drafter ranks train."""
+    import torch.distributed as dist
+
+    layout, device, group = distributed.init(cfg)
+    writer = layout.rank == layout.target_ranks
+    role = "target" if layout.is_target else "drafter"
+    try:
+        target, tokenizer, train_rows, eval_rows, report = prepare(cfg, keep="body" if layout.is_target else "head")
+        target.model.to(device)
+        if writer:
+            _print_data(cfg, report, train_rows, eval_rows)
+        # Drafter rank 0 prepares the output folder and picks the checkpoint; every rank learns where
+        # the run resumes (step, global row index), or the one-line error that stops all of them.
+        agreed = [None]
+        if writer:
+            try:
+                path = Trainer.prepare_output(cfg, Path(cfg.output_dir), resume, overwrite)
+                counters = read_counters(path) if path is not None else {"step": 0, "rows_consumed": 0}
+                agreed = [{"path": str(path) if path else None, **counters}]
+            except UserError as exc:
+                agreed = [{"error": str(exc)}]
+        dist.broadcast_object_list(agreed, src=layout.target_ranks)
+        start = agreed[0]
+        if "error" in start:
+            raise UserError(start["error"])
+        print(
+            f"rank {layout.rank} ({role}) of {layout.world}: {layout.target_ranks} target + "
+            f"{layout.drafter_ranks} drafter ranks, starting at step {start['step']}",
+            flush=True,
+        )
+        stream = RowStream(train_rows, cfg.train.seed)
+        if layout.is_target:
+            distributed.run_target_rank(
+                cfg,
+                layout,
+                target,
+                stream,
+                len(train_rows),
+                eval_rows,
+                start_step=start["step"],
+                rows_consumed=start["rows_consumed"],
+                device=device,
+            )
+            dist.destroy_process_group()
+            return {}
+        feed = distributed.DrafterFeed(
+            cfg,
+            layout,
+            stream,
+            len(train_rows),
+            eval_rows,
+            device,
+            start_step=start["step"],
+            rows_consumed=start["rows_consumed"],
+        )
+        trainer = Trainer(
+            cfg,
+            target,
+            tokenizer,
+            train_rows,
+            eval_rows,
+            out_dir=Path(cfg.output_dir),
+            target_path=cfg.target.path,
+            progress=progress,
+            feed=feed,
+            group=group,
+        )
+        if start["path"]:
+            trainer.load_checkpoint(Path(start["path"]))
+            if writer:
+                print(f"resumed from {start['path']} at step {trainer.c.step}", flush=True)
+        result = trainer.run()
+        summary = _finish(cfg, trainer, result) if writer else {}
+        dist.destroy_process_group()
+        return summary
+    except UserError as exc:
+        raise UserError(f"rank {layout.rank} ({role}): {exc}") from None
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:

@@ -124,17 +124,27 @@ class TrainConfig(Section):
 
 
 class TopologyConfig(Section):
-    """Where the run's pieces live: read by the memory planner (``dflash-train plan``) and the preflight."""
+    """Where the run's pieces live: read by the launcher (``torchrun ... dflash-train train``), the memory
+    planner (``dflash-train plan``) and the preflight, so that they never disagree."""
 
     gpu: str = Field(
         "auto",
         description="memory of each GPU: a preset (rtx-pro-6000, h100, h200, a100-80gb, l40s) or GB, "
         "e.g. 95; auto = the device this process trains on",
     )
-    target_gpus: int = Field(
-        0, ge=0, description="GPUs running target replicas; 0 = the target shares the drafter's device"
+    target_ranks: int = Field(
+        0,
+        ge=0,
+        description="processes (GPUs) running target replicas, ranks [0, T) of a torchrun launch; 0 = one "
+        "process runs the target and the drafter",
     )
-    drafter_gpus: int = Field(1, ge=1, description="GPUs training drafter replicas (data parallel)")
+    drafter_ranks: int = Field(
+        1, ge=1, description="processes (GPUs) training the drafter, ranks [T, T+D); more than one are data-parallel"
+    )
+    prefetch: int = Field(2, ge=1, description="rows a target rank may run ahead of the drafter rank it feeds")
+    timeout_s: float = Field(
+        600.0, gt=0, description="a rank that sends or receives nothing for this long is reported dead or hung"
+    )
     target_model: str | None = Field(
         None,
         description="what the planner prices when target.path is not set: a built-in target "

@@ -122,6 +122,19 @@ class TargetModel:
         layer_types = getattr(config, "layer_types", None) or []
         self.packs_documents = all(t in ("full_attention", "sliding_attention") for t in layer_types)
 
+    def keep_only(self, part: str) -> None:
+        """Free what this process's role never uses: "body" drops the output head (a target rank runs
+        the body only), "head" drops the decoder layers (a drafter rank needs the embedding and head)."""
+        if part == "body":
+            head = self.model.get_output_embeddings()
+            if head is not None and head.weight is not self.embed_tokens.weight:  # a tied head is the embedding
+                head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)
+        elif part == "head":
+            self.body.layers = nn.ModuleList()
+            self.layers = self.body.layers
+        else:
+            raise ValueError(f"part must be 'body' or 'head', got {part!r}")
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """``[V, H]`` frozen output head (for the loss, which projects selected rows only)."""

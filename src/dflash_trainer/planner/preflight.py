@@ -51,7 +51,7 @@ def preflight(cfg, *, topology: Topology | None = None, out=None):
     out = out or sys.stdout
     plan = plan_this_process(cfg, topology)
     dev = plan.devices[-1]
-    if cfg.topology.target_gpus or cfg.topology.gpu != "auto":
+    if cfg.topology.target_ranks or cfg.topology.gpu != "auto":
         print(
             "preflight: this trainer runs the target and the drafter in one process on the CPU; the topology "
             "section (GPUs) is what `dflash-train plan` prices",

@@ -91,8 +91,8 @@ def topology_for(
     else:
         memory, name = gpu_memory(spec)
         device = "cuda"
-    tg = t.target_gpus if target_gpus is None else target_gpus
-    dg = t.drafter_gpus if drafter_gpus is None else drafter_gpus
+    tg = t.target_ranks if target_gpus is None else target_gpus
+    dg = t.drafter_ranks if drafter_gpus is None else drafter_gpus
     if tg < 0 or dg < 1:
         raise UserError(f"--target-gpus must be >= 0 and --drafter-gpus >= 1, got {tg} and {dg}")
     return Topology(

@@ -127,6 +127,17 @@ def load_training_state(path: Path, drafter: DFlashDrafter) -> dict:
     return torch.load(Path(path) / STATE_FILE, weights_only=False)
 
 
+def read_counters(path: Path) -> dict:
+    """``{"step", "rows_consumed"}`` of a training checkpoint: where a resumed run continues."""
+    counters = torch.load(Path(path) / STATE_FILE, weights_only=False).get("counters", {})
+    if "rows_consumed" not in counters:
+        raise UserError(
+            f"checkpoint {path} was written by an older dflash-trainer (its data position is not a "
+            "global row index) and cannot be resumed; its drafter still loads for eval and export"
+        )
+    return {"step": counters["step"], "rows_consumed": counters["rows_consumed"]}
+
+
 def read_checkpoint_config(path: Path) -> dict:
     path = Path(path)
     cfg_file = path / CONFIG

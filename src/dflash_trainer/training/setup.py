@@ -11,11 +11,15 @@ from ..errors import UserError
 from ..model.loading import load_target_model
 
 
-def prepare(cfg: RunConfig):
-    """``(target, tokenizer, train_rows, eval_rows)`` for a run; data problems are reported, not raised deep."""
+def prepare(cfg: RunConfig, keep: str = "all"):
+    """``(target, tokenizer, train_rows, eval_rows, data report)`` for a run; data problems are reported,
+    not raised deep. ``keep``: "all" (one process), "body" (a target rank: no head) or "head" (a drafter
+    rank: the frozen embedding and head, no decoder layers)."""
     if not cfg.data.train_files:
         raise UserError("data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl]")
     target, tokenizer = load_target_model(cfg.target)
+    if keep != "all":
+        target.keep_only(keep)
     out = Path(cfg.output_dir)
     common = dict(
         vocab_size=target.vocab_size, min_tokens=cfg.drafter.block_size + 1, max_bad_fraction=cfg.data.max_bad_fraction

@@ -17,6 +17,7 @@ the planner's calibration tool reads.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,18 @@ def row_generator(seed: int, row_index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 0x9E3779B1 + row_index * 0x85EBCA77 + 1) % (1 << 63))
 
 
+@contextlib.contextmanager
+def row_rng(seed: int, row_index: int, device: torch.device):
+    """The global RNG seeded by ``(seed, global row index)`` for one row's drafter pass (feature noise),
+    then restored: the noise a row gets does not depend on which process trains on it."""
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed((seed * 0x9E3779B1 + row_index * 0x2545F491 + 3) % (1 << 63))
+        yield
+
+
 def produce_row_features(target: TargetModel, row: PackedRow, row_index: int, cfg: RunConfig) -> RowFeatures | None:
     """The producer half: anchors of row ``row_index`` and the target features they need; None when
     the row has no valid anchor (nothing for the drafter to learn from it)."""
@@ -70,9 +83,12 @@ class StepBatch:
     slots: torch.Tensor  # [nb*B] slot index k
 
 
-def drafter_step(drafter: DFlashDrafter, feats: RowFeatures, cfg: RunConfig, *, train: bool = True) -> StepBatch:
+def drafter_step(
+    drafter: DFlashDrafter, feats: RowFeatures, cfg: RunConfig, *, train: bool = True, forward=None
+) -> StepBatch:
     """The consumer half up to the loss: blocks of ``feats``' anchors, padded with weight-0 blocks to
-    ``data.max_anchors`` (stable shapes from step to step), and the drafter's output over all of them."""
+    ``data.max_anchors`` (stable shapes from step to step), and the drafter's output over all of them.
+    ``forward`` runs the drafter (default ``drafter``; a DDP wrapper of it on data-parallel ranks)."""
     spec, nb = drafter.spec, cfg.data.max_anchors
     b, n = spec.block_size, feats.anchors.numel()
     doc = doc_ids_from_positions(feats.position_ids)
@@ -90,7 +106,9 @@ def drafter_step(drafter: DFlashDrafter, feats: RowFeatures, cfg: RunConfig, *, 
     masks = drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, backend)
     autocast = torch.autocast(feats.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.train.dtype == "bfloat16")
     with phase("drafter forward"), autocast, torch.set_grad_enabled(train):
-        hidden = drafter(blocks.input_ids, blocks.position_ids, feats.context, feats.position_ids, masks, backend)
+        hidden = (forward or drafter)(
+            blocks.input_ids, blocks.position_ids, feats.context, feats.position_ids, masks, backend
+        )
     teacher = None
     if feats.teacher is not None:  # padding blocks have weight 0: the loss never reads their teacher rows
         teacher = feats.teacher.new_zeros(nb * b, feats.teacher.shape[-1])

@@ -11,7 +11,9 @@ numbers of a run do not depend on how many processes produce rows. Per row (``st
     loss     = draft_loss(drafter, batch, cfg)              # fused: never [positions x vocab]
 
 then gradient clipping, AdamW (fp32 master weights, optional bf16 autocast) and a cosine schedule
-with warmup. Checkpoints (``checkpoint.py``) hold everything a bit-identical resume needs.
+with warmup. Checkpoints (``checkpoint.py``) hold everything a bit-identical resume needs. On a
+drafter rank of a distributed run (``distributed.py``) the features arrive from the target ranks
+instead of being produced here, the drafter may be wrapped in DDP, and only drafter rank 0 writes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +36,10 @@ from ..data.packing import PackedRow
 from ..errors import UserError
 from ..inference.acceptance import EvalInputError, acceptance_report
 from ..model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
-from ..model.target import RowFeatures, TargetModel
+from ..model.target import TargetModel
 from .checkpoint import find_resume_checkpoint, load_training_state, save_training_checkpoint, verify_checkpoint
-from .step import draft_loss, drafter_step, phase, produce_row_features
+from .distributed import StepPlan
+from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
 
 EVAL_SEED = 1234  # anchors of the periodic evaluation: the same blocks at every evaluation
 EVAL_BLOCKS_PER_ROW = 64
@@ -106,9 +109,8 @@ class Counters:
 class Trainer:
     """Trains a drafter on packed rows; see the module docstring for one step.
 
-    ``next_features`` (optional) replaces the in-process producer: a callable returning the next
-    ``(RowFeatures | None, tokens)`` of the row stream, as a distributed run's drafter rank receives
-    them; the target is then only used for the drafter's frozen embedding and head."""
+    ``feed`` (a ``distributed.DrafterFeed``) makes this a drafter rank of a distributed run: features
+    come from it, ``group`` is the drafter ranks' process group (DDP when it has more than one)."""
 
     def __init__(
         self,
@@ -121,18 +123,25 @@ class Trainer:
         out_dir: Path,
         target_path: str | None,
         progress: bool = True,
-        next_features: Callable[[int], tuple[RowFeatures | None, int]] | None = None,
+        feed=None,
+        group=None,
     ):
-        if not train_rows and next_features is None:
+        if not train_rows:
             raise UserError("no training rows: the data set produced no packed row")
         self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.out_dir, self.target_path, self.progress = Path(out_dir), target_path, progress
-        self.stream = RowStream(train_rows, cfg.train.seed) if train_rows else None
-        self.next_features = next_features or self._produce
+        self.stream = RowStream(train_rows, cfg.train.seed)
+        self.feed, self.group = feed, group
+        self.device = feed.device if feed is not None else torch.device("cpu")
+        self.data_parallel = feed is not None and torch.distributed.get_world_size(group) > 1
+        self.is_writer = feed is None or feed.layout.drafter_index == 0
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
-        self.drafter = build_drafter(cfg, target, tokenizer).train()
+        self.drafter = build_drafter(cfg, target, tokenizer).to(self.device).train()
+        self.forward = self.drafter
+        if self.data_parallel:
+            self.forward = torch.nn.parallel.DistributedDataParallel(self.drafter, process_group=group)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() > 1]
         no_decay = [p for p in params if p.dim() <= 1]
@@ -144,6 +153,11 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.c = Counters()
+        self.plan = (
+            feed.plan
+            if feed is not None
+            else StepPlan(self.stream, len(train_rows), cfg.drafter.block_size, cfg.train.grad_accum)
+        )
         self.stop_requested = None
         self.tb = None
 
@@ -182,12 +196,9 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.c = Counters(**state["counters"])
+        self.plan.next_g = self.c.rows_consumed
 
     # -- loop --------------------------------------------------------------------------------
-    def _produce(self, g: int) -> tuple[RowFeatures | None, int]:
-        row = self.stream[g]
-        return produce_row_features(self.target, row, g, self.cfg), row.input_ids.numel()
-
     def _log(self, record: dict) -> None:
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -198,9 +209,10 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Chain acceptance on the held-out rows (the same blocks every time), with the run's backend."""
+        target = self.feed.eval_features() if self.feed is not None else self.target
         try:
             report = acceptance_report(
-                self.target,
+                target,
                 self.drafter,
                 self.eval_rows[: self.cfg.data.max_eval_rows],
                 budgets=(),
@@ -213,32 +225,55 @@ class Trainer:
             raise UserError(f"no evaluation block: {exc}") from None
         return {"tau": report["tau"], "blocks": report["blocks"], "slot_acceptance": report["slot_acceptance"]}
 
+    def _my_rows(self, rows: list[int]) -> list[int]:
+        """This rank's share of a step's rows: all of them in one process, a contiguous slice per drafter rank."""
+        if self.feed is None:
+            return rows
+        per = len(rows) // self.feed.layout.drafter_ranks
+        i = self.feed.layout.drafter_index
+        return rows[i * per : (i + 1) * per]
+
     def train_step(self) -> dict | None:
         """One optimizer step over ``grad_accum`` rows; None if the loss was not finite (step skipped)."""
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        totals, tokens, micro = {"loss": 0.0, "ce": 0.0, "kl": 0.0, "cap": 0.0, "accuracy": 0.0}, 0, 0
-        finite = True
-        while micro < cfg.train.grad_accum:
-            feats, row_tokens = self.next_features(self.c.rows_consumed)
-            self.c.rows_consumed += 1
-            if feats is None:
-                self.c.rows_without_anchors += 1
-                continue
-            batch = drafter_step(self.drafter, feats, cfg, train=True)
-            loss, metrics = draft_loss(self.drafter, batch, cfg)
-            if not torch.isfinite(loss):
-                finite = False
-            else:
-                with phase("backward"):
-                    (loss / cfg.train.grad_accum).backward()
-            micro += 1
-            tokens += row_tokens
-            totals["loss"] += loss.item() / cfg.train.grad_accum
-            for k in ("ce", "kl", "cap", "accuracy"):
-                totals[k] += metrics[k].item() / cfg.train.grad_accum
+        rows, skipped = self.plan.step()
+        self.c.rows_without_anchors += skipped
+        self.c.rows_consumed = self.plan.next_g
+        mine = self._my_rows(rows)
+        # [loss, ce, kl, cap, accuracy, tokens, finite]: summed over this rank's rows, then over drafter ranks
+        totals = torch.zeros(7, dtype=torch.float64)
+        totals[6] = 1.0
+        for j, g in enumerate(mine):
+            feats = (
+                self.feed.take(g)
+                if self.feed is not None
+                else produce_row_features(self.target, self.stream[g], g, cfg)
+            )
+            sync = nullcontext() if not self.data_parallel or j == len(mine) - 1 else self.forward.no_sync()
+            with sync:
+                with row_rng(cfg.train.seed, g, feats.context.device):
+                    batch = drafter_step(self.drafter, feats, cfg, train=True, forward=self.forward)
+                loss, metrics = draft_loss(self.drafter, batch, cfg)
+                finite = bool(torch.isfinite(loss))
+                # a non-finite row still runs backward on data-parallel ranks (DDP's all-reduce needs every
+                # rank); its gradients are thrown away below
+                if finite or self.data_parallel:
+                    with phase("backward"):
+                        (torch.nan_to_num(loss) / cfg.train.grad_accum).backward()
+            totals[6] = min(totals[6].item(), float(finite))
+            totals[0] += loss.item() / cfg.train.grad_accum
+            for k, name in enumerate(("ce", "kl", "cap", "accuracy"), start=1):
+                totals[k] += metrics[name].item() / cfg.train.grad_accum
+            totals[5] += feats.input_ids.numel()
+        if self.data_parallel:
+            finite_flag = totals[6].clone()
+            torch.distributed.all_reduce(totals, group=self.group)
+            torch.distributed.all_reduce(finite_flag, op=torch.distributed.ReduceOp.MIN, group=self.group)
+            totals[6] = finite_flag
+        tokens = int(totals[5])
         self.c.tokens += tokens
-        if not finite:
+        if totals[6] < 1:
             self.optimizer.zero_grad(set_to_none=True)
             self.c.skipped_nonfinite += 1
             self.c.consecutive_nonfinite += 1
@@ -253,78 +288,128 @@ class Trainer:
         with phase("optimizer"):
             self.optimizer.step()
         self.scheduler.step()
-        return {**totals, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
+        out = {name: totals[k].item() for k, name in enumerate(("loss", "ce", "kl", "cap", "accuracy"))}
+        return {**out, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
 
     def _on_signal(self, signum, _frame):
         self.stop_requested = signal.Signals(signum).name
 
-    def fit(self, resume: str | None = None, overwrite: bool = False) -> dict:
-        """Train to ``train.max_steps``; returns the final evaluation. ``resume``: "auto", a path or None.
+    @staticmethod
+    def prepare_output(cfg: RunConfig, out_dir: Path, resume: str | None, overwrite: bool) -> Path | None:
+        """Prepare ``out_dir`` (the writer's job) and return the checkpoint to resume from, if any.
         A fresh run refuses an output folder that already holds checkpoints unless ``overwrite``."""
-        cfg = self.cfg
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        old_checkpoints = self.out_dir / "checkpoints"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        old_checkpoints = out_dir / "checkpoints"
         if not resume and old_checkpoints.is_dir() and any(old_checkpoints.iterdir()):
             if not overwrite:
                 raise UserError(
-                    f"{self.out_dir} already holds checkpoints: continue with --resume auto, or start "
+                    f"{out_dir} already holds checkpoints: continue with --resume auto, or start "
                     "over with --overwrite, or choose another output_dir"
                 )
             shutil.rmtree(old_checkpoints)
         if not resume:
-            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        write_resolved_config(cfg, self.out_dir)
-        if resume:
-            path = find_resume_checkpoint(self.out_dir) if resume == "auto" else Path(resume)
-            if path is not None:
-                if resume != "auto" and verify_checkpoint(path):
-                    raise UserError(f"checkpoint {path} cannot be resumed: {verify_checkpoint(path)}")
-                self.load_checkpoint(path)
-                print(f"resumed from {path} at step {self.c.step}", flush=True)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        write_resolved_config(cfg, out_dir)
+        if not resume:
+            return None
+        path = find_resume_checkpoint(out_dir) if resume == "auto" else Path(resume)
+        if path is not None and resume != "auto" and verify_checkpoint(path):
+            raise UserError(f"checkpoint {path} cannot be resumed: {verify_checkpoint(path)}")
+        return path
 
-            self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-        except ImportError:  # tensorboard is optional
-            self.tb = None
+    def fit(self, resume: str | None = None, overwrite: bool = False) -> dict:
+        """Train to ``train.max_steps`` in this process; returns the final evaluation. ``resume``: "auto",
+        a path or None."""
+        path = self.prepare_output(self.cfg, self.out_dir, resume, overwrite)
+        if path is not None:
+            self.load_checkpoint(path)
+            print(f"resumed from {path} at step {self.c.step}", flush=True)
+        return self.run()
+
+    def _stop_agreed(self) -> str | None:
+        """The stop request, agreed by every drafter rank (they must stop after the same step)."""
+        if not self.data_parallel:
+            return self.stop_requested
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return (self.stop_requested or "SIGTERM") if flag.item() else None
+
+    def _transfer_metrics(self, elapsed: float) -> dict:
+        r = self.feed.receiver
+        busy = self.feed.target_busy_us
+        return {
+            "drafter_wait_s": r.wait_s,
+            "bytes_received": r.bytes,
+            "recv_bytes_per_s": r.bytes / max(elapsed, 1e-9),
+            "target_busy_fraction": (sum(busy.values()) / 1e6 / len(busy) / max(elapsed, 1e-9)) if busy else None,
+        }
+
+    def run(self) -> dict:
+        """The loop from the current step to ``train.max_steps`` (state already loaded or fresh)."""
+        cfg = self.cfg
+        if self.is_writer:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         bar = tqdm(
             total=cfg.train.max_steps,
             initial=self.c.step,
             desc="train",
             unit="step",
-            disable=not self.progress,
+            disable=not (self.progress and self.is_writer),
             mininterval=2,
         )
         last_eval: dict = {}
-        t_last, tok_last = time.time(), 0
+        t_start = t_last = time.time()
+        tok_last = 0
         try:
             while self.c.step < cfg.train.max_steps:
                 out = self.train_step()
                 self.c.step += 1
+                if self.feed is not None:
+                    self.feed.end_step()
                 record = {"step": self.c.step, "skipped_nonfinite": self.c.skipped_nonfinite}
                 if out is not None:
-                    tok_last += out.pop("tokens")
+                    tok_last += out["tokens"]
                     record.update(out)
+                if self.feed is not None:
+                    record.update(self._transfer_metrics(time.time() - t_start))
                 if self.c.step % cfg.train.eval_every == 0 or self.c.step == cfg.train.max_steps:
-                    last_eval = self.evaluate()
-                    record.update({"eval_tau": last_eval["tau"], "eval_slot_acceptance": last_eval["slot_acceptance"]})
-                self._log(record)
+                    if self.is_writer:
+                        last_eval = self.evaluate()
+                        record.update(
+                            {"eval_tau": last_eval["tau"], "eval_slot_acceptance": last_eval["slot_acceptance"]}
+                        )
+                if self.is_writer:
+                    self._log(record)
                 now = time.time()
                 if now - t_last > 2:
                     rate, t_last, tok_last = tok_last / (now - t_last), now, 0
+                    extra = {}
+                    if self.feed is not None:
+                        extra = {
+                            "wait": f"{record['drafter_wait_s']:.0f}s",
+                            "MB_s": f"{record['recv_bytes_per_s'] / 1e6:.1f}",
+                        }
                     bar.set_postfix(
                         loss=f"{record.get('loss', float('nan')):.3f}",
                         tau=f"{last_eval.get('tau', float('nan')):.2f}",
                         tok_s=f"{rate:.0f}",
+                        **extra,
                         refresh=False,
                     )
                 bar.update(1)
-                if self.c.step % cfg.train.save_every == 0 or self.c.step == cfg.train.max_steps:
+                if self.is_writer and (self.c.step % cfg.train.save_every == 0 or self.c.step == cfg.train.max_steps):
                     self.save_checkpoint()
-                if self.stop_requested:
-                    path = self.save_checkpoint()
-                    print(f"\n{self.stop_requested}: saved {path}; resume with --resume auto", flush=True)
+                stop = self._stop_agreed()
+                if stop:
+                    if self.is_writer:
+                        path = self.save_checkpoint()
+                        print(f"\n{stop}: saved {path}; resume with --resume auto", flush=True)
                     raise KeyboardInterrupt
         finally:
             bar.close()

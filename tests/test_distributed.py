@@ -1,0 +1,193 @@
+"""The 7 + 1 topology in miniature: torchrun launches of real processes (gloo, one thread each) on the
+tiny target. The same config and seed give the same per-step losses as one process, with 2 target +
+1 drafter and 2 target + 2 drafter ranks; a killed target rank is reported and the run resumes
+(also with a different number of target ranks) with the uninterrupted losses; a hung rank is
+detected by the timeout; a launch that does not match the topology is refused with one line."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import write_data
+
+SMALL = [
+    "drafter.num_layers=1",
+    "drafter.block_size=4",
+    "data.seq_len=128",
+    "data.max_anchors=8",
+    "train.max_steps=6",
+    "train.save_every=2",
+    "train.eval_every=3",
+    "train.grad_accum=2",
+    "train.lr=2e-3",
+    "data.max_eval_rows=2",
+    "drafter.noise=uniform",  # per-row noise: it must not depend on which rank trains the row
+    "drafter.noise_scale=0.05",
+    "loss.kl_weight=0.15",  # the teacher rows cross the wire too
+    "topology.timeout_s=60",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch(out: Path, data: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    """``torchrun --nproc-per-node N -m dflash_trainer.cli train ...`` (or one plain process for N = 1)."""
+    args = ["train", "--config", "tiny-demo", "--no-progress"]
+    for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
+        args += ["--set", item]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "dflash_trainer.cli", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port()), "-m", "dflash_trainer.cli", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+
+
+def run(out: Path, data: Path, nproc: int, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = launch(out, data, nproc, *extra)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"launch did not finish in {timeout} s:\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of the workers under a torchrun launcher (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        vars_ = dict(v.split(b"=", 1) for v in env if b"=" in v)
+        if b"RANK" in vars_ and b"LOCAL_RANK" in vars_ and os.getpgid(int(entry.name)) == os.getpgid(launcher_pid):
+            if "(python" in stat or "python" in stat:
+                found[int(vars_[b"RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("dist") / "data.jsonl", n=16, chars=700)
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "run"
+    result = run(out, data, 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def assert_same_losses(a: dict, b: dict, rel: float = 1e-6) -> None:
+    assert sorted(a) == sorted(b) and a
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=rel), (step, a[step], b[step])
+
+
+def test_two_targets_one_drafter_equal_one_process(single, data, tmp_path):
+    out = tmp_path / "run"
+    result = run(out, data, 3, "topology.target_ranks=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(losses(single), losses(out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bytes_received"] > 0 and r["recv_bytes_per_s"] > 0 for r in records)
+    assert all(0 <= r["drafter_wait_s"] and 0 < r["target_busy_fraction"] <= 1.5 for r in records)
+    assert records[-1]["eval_tau"] == pytest.approx(
+        [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()][-1]["eval_tau"], abs=1e-9
+    )
+    # only drafter rank 0 writes: one line per step
+    assert [r["step"] for r in records] == list(range(1, 7))
+
+
+def test_two_targets_two_data_parallel_drafters_equal_one_process(single, data, tmp_path):
+    out = tmp_path / "run"
+    result = run(out, data, 4, "topology.target_ranks=2", "topology.drafter_ranks=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    # DDP averages gradients in another order than one process accumulates them: equal to 1e-6
+    assert_same_losses(losses(single), losses(out))
+
+
+def test_killed_target_rank_is_named_then_resume_reproduces_losses(single, data, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, data, 3, "topology.target_ranks=2", "train.max_steps=6")
+    deadline = time.time() + 240
+    while time.time() < deadline:  # wait for the first checkpoint, then kill target rank 1
+        if (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir()):
+            break
+        time.sleep(0.2)
+    pids = worker_pids(proc.pid)
+    assert 1 in pids, f"no target rank 1 among {pids}"
+    os.kill(pids[1], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    done = losses(out)
+    if len(done) < 6:  # the kill landed before the end: the others stopped and said who died
+        assert "rank 1 (target rank)" in stderr, stderr[-3000:]
+    # resume with a different number of target ranks: the data position is a global row index
+    result = _resume(out, data, 2, "topology.target_ranks=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(losses(single), losses(out))
+
+
+def _resume(out, data, nproc, *extra):
+    args = ["train", "--config", "tiny-demo", "--no-progress", "--resume", "auto"]
+    for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
+        args += ["--set", item]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), "-m", "dflash_trainer.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def test_hung_target_rank_is_detected_by_the_timeout(data, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, data, 3, "topology.target_ranks=2", "topology.timeout_s=8", "train.max_steps=200",
+                  "train.save_every=1000")
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    pids = worker_pids(proc.pid)
+    assert 0 in pids
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "rank 0 (target rank)" in stderr and "hung or dead" in stderr, stderr[-3000:]
+
+
+def test_launch_that_does_not_match_the_topology_is_one_line(data, tmp_path):
+    result = run(tmp_path / "run", data, 1, "topology.target_ranks=2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("dflash-train: error: topology.target_ranks is 2: launch")
+    result = run(tmp_path / "run2", data, 2, "topology.target_ranks=2")
+    assert result.returncode != 0
+    assert "world size 2 does not match topology.target_ranks 2 + topology.drafter_ranks 1 = 3" in result.stderr
