@@ -403,3 +403,50 @@ def test_seed_plan_renders_its_breakdown():
     w = replace(plan.workload, max_anchors=2048)
     assert w.queries == 2048 * 24
     assert sys.getsizeof(text) > 0
+
+
+# -- throughput of the disaggregated topology ------------------------------------------------------
+
+
+def test_throughput_model_names_the_bottleneck_and_the_best_split():
+    from dflash_trainer.planner.throughput import best_split, bytes_per_row, throughput
+
+    for preset, bottleneck in (("baseline-v6", "target"), ("ddtree-experiment", "drafter")):
+        cfg = load_config([preset], ["target.path=null", "topology.target_model=qwen3.6-27b"])
+        plan = plan_for_config(cfg)
+        tp = plan.throughput
+        assert tp is not None and tp["gpu"] == "rtx-pro-6000"
+        now, best = tp["as_launched"], tp["best_split"]
+        assert (now["target_ranks"], now["drafter_ranks"]) == (7, 1) and now["bottleneck"] == bottleneck
+        assert best["target_ranks"] + best["drafter_ranks"] == 8 and best["tokens_per_s"] >= now["tokens_per_s"]
+        assert "throughput model" in render_text(plan) and render_json(plan)["throughput"] == tp
+    # the seed's context features are [65,536, 5 x 5,120] bf16 = 3.36 GB per row (DESIGN.md 4b)
+    cfg = load_config(["ddtree-experiment"], ["target.path=null", "topology.target_model=qwen3.6-27b"])
+    shape, w = load_target_shape("qwen3.6-27b"), plan_for_config(cfg).workload
+    assert bytes_per_row(shape, w) == pytest.approx(3.355e9 + 24_576 * 5_120 * 2, rel=1e-3)
+    ids = [1, 16, 31, 46, 61]
+    one = throughput(shape, w, ids, 0, 1, peak_flops=1e15, link_bytes_per_s=1e11)
+    split = throughput(shape, w, ids, 3, 1, peak_flops=1e15, link_bytes_per_s=1e11)
+    assert one.rows_per_s == pytest.approx(1 / (split.target_s_per_row + split.drafter_s_per_row))
+    assert split.rows_per_s == pytest.approx(
+        min(3 / split.target_s_per_row, 1 / split.drafter_s_per_row, 1e11 / split.bytes_per_row)
+    )
+    slow_link = throughput(shape, w, ids, 7, 1, peak_flops=1e15, link_bytes_per_s=1e8)
+    assert slow_link.bottleneck == "link"
+    assert best_split(shape, w, ids, 8, peak_flops=1e15, link_bytes_per_s=1e11).tokens_per_s == max(
+        throughput(shape, w, ids, t, 8 - t, peak_flops=1e15, link_bytes_per_s=1e11).tokens_per_s for t in range(1, 8)
+    )
+
+
+def test_plan_prices_the_transfer_buffers_of_the_topology():
+    base = ["target.path=null", "topology.target_model=qwen3.6-27b"]
+    two = plan_for_config(load_config(["ddtree-experiment"], base))
+    four = plan_for_config(load_config(["ddtree-experiment"], [*base, "topology.prefetch=4"]))
+    item = "next row's features (in flight)"
+
+    def size(plan, role_word, name):
+        dev = next(d for d in plan.devices if role_word in d.role)
+        return next(i.bytes for i in dev.items if i.name == name)
+
+    assert size(four, "drafter", item) == 2 * size(two, "drafter", item) > 0
+    assert size(four, "target", "rows queued for sending") == 2 * size(two, "target", "rows queued for sending") > 0

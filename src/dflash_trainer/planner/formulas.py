@@ -47,6 +47,7 @@ class Workload:
     activation_checkpointing: bool = False
     need_teacher_layers: bool = True  # the target runs past its last hooked layer (teacher hidden states)
     packed: bool = True  # rows hold several documents (the target's attention then needs a mask)
+    prefetch: int = 2  # rows a target rank may run ahead of its drafter rank (topology.prefetch)
 
     @property
     def queries(self) -> int:

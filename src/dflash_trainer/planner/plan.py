@@ -93,6 +93,7 @@ class Plan:
     naive: bool = False
     recommendations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    throughput: dict | None = None  # planner.throughput: as launched and the best split (GPU presets only)
 
     @property
     def fits(self) -> bool:
@@ -191,7 +192,7 @@ def drafter_phases(
     feats = F.captured_features_bytes(s, w)
     features = {"context features (received)" if not colocated else "captured hidden states": feats}
     if not colocated:  # the next row arrives from a target GPU while this one trains
-        static["next row's features (in flight)"] = feats
+        static["next row's features (in flight)"] = w.prefetch * feats
     # Features the autograd graph keeps after row_forward returns: fc's input is the caller's own fp32
     # context tensor when no copy was needed.
     retained = L * w.num_features * h * 4 if (not w.autocast and w.t == 4 and not w.noise) else 0
@@ -322,7 +323,7 @@ _DRAFTER_ORDER = [
 _NOTES = {
     "drafter activations (saved for backward)": "",
     "fused loss workspace": "",
-    "next row's features (in flight)": "double buffer: the next row arrives while this one trains",
+    "next row's features (in flight)": "topology.prefetch rows received ahead while this one trains",
     "attention mask (packed rows, sdpa)": "bool [L, L]; each layer converts it to [L, L] in the target dtype",
 }
 
@@ -372,7 +373,11 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
 
 def target_device_plan(s, w, topo, layer_ids, naive=False) -> DevicePlan:
     items = target_phases(s, w, layer_ids, naive, topo.threads)
+    from .throughput import bytes_per_row
+
+    items["rows queued for sending"] = w.prefetch * bytes_per_row(s, w)
     notes = dict(_NOTES)
+    notes["rows queued for sending"] = f"topology.prefetch = {w.prefetch} rows may wait for the drafter rank"
     notes["target weights"] = f"{target_param_count(s) / 1e9:.2f} B parameters, {w.target_dtype}"
     notes["captured hidden states"] = f"{len(layer_ids)} hooked layers + their [L, k*H] concatenation"
     notes["target activations (body-only forward)"] = _forward_note(s, w, layer_ids)

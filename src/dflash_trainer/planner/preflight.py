@@ -1,8 +1,9 @@
-"""The preflight of ``dflash-train train``: plan this process's own run before anything large is allocated.
+"""The preflight of ``dflash-train train``: plan this launch before anything large is allocated.
 
-Today's trainer runs the target and the drafter in one process on the CPU, so the preflight plans
-that layout (``target_gpus = 0``) against the memory the OS reports as available; the ``topology``
-section describes the GPU setup ``dflash-train plan`` prices. A run predicted not to fit is refused
+One process (``topology.target_ranks`` 0) runs the target and the drafter together, on the CPU,
+planned against the memory the OS reports as available. A torchrun launch is planned as launched:
+T target ranks and D drafter ranks, each against its GPU's memory (on CUDA) or its share of the
+machine's available memory (gloo on the CPU); every rank plans the same and refuses with the same line. A run predicted not to fit is refused
 with the table and the recommendation, unless ``topology.preflight`` is false. When ``loss.chunk_size``
 is not set, the loss chunk becomes the one the planner derives from the memory left at the loss phase.
 """
@@ -18,15 +19,26 @@ from .shapes import GB, load_target_shape
 
 
 def process_topology(cfg) -> Topology:
-    """Where this process trains: target and drafter together, on the CPU (the trainer moves nothing to a GPU)."""
+    """Where this launch trains: one CPU process, or ``target_ranks`` + ``drafter_ranks`` processes."""
     import torch
 
+    t, d = cfg.topology.target_ranks, cfg.topology.drafter_ranks
+    if t and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return Topology(
+            memory=props.total_memory,
+            device_name=props.name,
+            device="cuda",
+            target_gpus=t,
+            drafter_gpus=d,
+            allocator_margin=cfg.topology.allocator_margin,
+        )
     return Topology(
-        memory=available_ram(),
-        device_name="this machine's RAM (available)",
+        memory=available_ram() // (t + d if t else 1),
+        device_name="this machine's RAM (available)" + (f", shared by {t + d} processes" if t else ""),
         device="cpu",
-        target_gpus=0,
-        drafter_gpus=1,
+        target_gpus=t,
+        drafter_gpus=d if t else 1,
         allocator_margin=cfg.topology.allocator_margin,
         cpu_threads=torch.get_num_threads(),
     )
@@ -50,18 +62,13 @@ def preflight(cfg, *, topology: Topology | None = None, out=None):
     fit and ``topology.preflight`` is on. Prints one line (or the whole plan when it does not fit)."""
     out = out or sys.stdout
     plan = plan_this_process(cfg, topology)
-    dev = plan.devices[-1]
-    if cfg.topology.target_ranks or cfg.topology.gpu != "auto":
-        print(
-            "preflight: this trainer runs the target and the drafter in one process on the CPU; the topology "
-            "section (GPUs) is what `dflash-train plan` prices",
-            file=out,
-        )
+    dev = next((d for d in plan.devices if not d.fits), plan.devices[-1])
     if not plan.fits:
         out.write(render_text(plan))
         msg = (
             f"preflight: the planner predicts {dev.total / GB:.2f} GB at the {dev.peak_phase} phase, more than the "
-            f"{dev.capacity / GB:.2f} GB available on {plan.topology.device_name.split(' (')[0]}; see the plan above"
+            f"{dev.capacity / GB:.2f} GB available on each {dev.role} ({plan.topology.device_name.split(' (')[0]}); "
+            "see the plan above"
         )
         if cfg.topology.preflight:
             raise UserError(msg + " (set topology.preflight=false to run anyway)")

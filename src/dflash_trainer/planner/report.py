@@ -13,8 +13,9 @@ from dataclasses import asdict
 
 from ..errors import UserError
 from . import formulas as F
-from .plan import Plan, Topology, make_plan
+from .plan import Plan, Topology, _target_layer_ids, make_plan
 from .shapes import GB, TARGET_PRESETS, TargetShape, gpu_memory, load_target_shape, target_param_count
+from .throughput import DEFAULT_UTILIZATION, GPU_PEAKS, best_split, throughput
 
 
 def workload_from_config(cfg) -> F.Workload:
@@ -23,6 +24,7 @@ def workload_from_config(cfg) -> F.Workload:
     return F.Workload(
         seq_len=cfg.data.seq_len,
         max_anchors=cfg.data.max_anchors,
+        prefetch=cfg.topology.prefetch,
         block_size=d.block_size,
         num_features=cfg.target.num_feature_layers,
         drafter_layers=d.num_layers,
@@ -124,7 +126,23 @@ def plan_for_config(
                 f"target.layer_ids {bad} are out of range for the {shape.num_layers}-layer target {shape.name}"
             )
     topo = topology or topology_for(cfg, gpu, target_gpus, drafter_gpus)
-    return make_plan(shape, workload_from_config(cfg), topo, cfg.target.layer_ids, naive=naive)
+    w = workload_from_config(cfg)
+    plan = make_plan(shape, w, topo, cfg.target.layer_ids, naive=naive)
+    spec = (gpu if gpu is not None else cfg.topology.gpu).strip().lower()
+    if topo.target_gpus and spec in GPU_PEAKS and not naive:
+        peak, link, link_name = GPU_PEAKS[spec]
+        ids = _target_layer_ids(shape, w, cfg.target.layer_ids)
+        kwargs = dict(peak_flops=peak, link_bytes_per_s=link, utilization=DEFAULT_UTILIZATION)
+        plan.throughput = {
+            "gpu": spec,
+            "peak_flops": peak,
+            "link_bytes_per_s": link,
+            "link": link_name,
+            "utilization": DEFAULT_UTILIZATION,
+            "as_launched": throughput(shape, w, ids, topo.target_gpus, topo.drafter_gpus, **kwargs).as_dict(),
+            "best_split": best_split(shape, w, ids, topo.target_gpus + topo.drafter_gpus, **kwargs).as_dict(),
+        }
+    return plan
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -201,6 +219,9 @@ def render_text(plan: Plan) -> str:
         lines.append("  phases: " + ", ".join(f"{k} {_gb(v)}" for k, v in dev.phases.items()) + f" {unit} (tensors)")
         if starred:
             lines.append("  * not alive at the peak phase; its largest size in another phase")
+    if plan.throughput:
+        lines.append("")
+        lines.extend(_throughput_lines(plan))
     lines.append("")
     if plan.fits:
         lines.append(
@@ -220,6 +241,23 @@ def render_text(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _throughput_lines(plan: Plan) -> list[str]:
+    tp = plan.throughput
+    now, best = tp["as_launched"], tp["best_split"]
+    out = [
+        f"throughput model ({tp['gpu']}: {tp['peak_flops'] / 1e12:.0f} TFLOP/s bf16 peak x {tp['utilization']:.0%} "
+        f"utilization, {tp['link']} {tp['link_bytes_per_s'] / 1e9:.0f} GB/s into each drafter GPU):",
+        f"  per row: target forward {now['target_s_per_row']:.2f} s on one target GPU, drafter step "
+        f"{now['drafter_s_per_row']:.2f} s, transfer {now['bytes_per_row'] / 1e9:.2f} GB in "
+        f"{now['link_s_per_row']:.3f} s",
+        f"  as launched ({now['target_ranks']} + {now['drafter_ranks']}): {now['tokens_per_s']:,.0f} tokens/s, "
+        f"bottleneck: {now['bottleneck']}",
+        f"  best split of {now['target_ranks'] + now['drafter_ranks']} GPUs: {best['target_ranks']} target + "
+        f"{best['drafter_ranks']} drafter, {best['tokens_per_s']:,.0f} tokens/s (bottleneck: {best['bottleneck']})",
+    ]
+    return out
+
+
 def render_json(plan: Plan) -> dict:
     s = plan.target
     return {
@@ -237,6 +275,7 @@ def render_json(plan: Plan) -> dict:
         "loss_chunk": plan.chunk,
         "loss_chunk_source": plan.chunk_source,
         "fits": plan.fits,
+        "throughput": plan.throughput,
         "devices": [
             {
                 "role": d.role,

@@ -224,8 +224,10 @@ def unpack(header: torch.Tensor, bufs: list[torch.Tensor]) -> RowFeatures:
     )
 
 
-def _peer_error(exc: BaseException, peer: int, layout: Layout, what: str) -> PeerError:
+def _peer_error(exc: BaseException, peer: int, layout: Layout, what: str, timeout_s: float) -> PeerError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "timed out" in first.lower():  # the process group's own deadline (the same topology.timeout_s)
+        return _timeout_error(peer, layout, what, timeout_s)
     return PeerError(
         f"rank {peer} ({layout.role(peer)} rank) is gone or hung: rank {layout.rank} could not {what} ({first[:160]})"
     )
@@ -263,7 +265,7 @@ class Sender:
                 for part in parts:
                     dist.send(part, dst)
             except RuntimeError as exc:
-                self.error = _peer_error(exc, dst, self.layout, "send a row")
+                self.error = _peer_error(exc, dst, self.layout, "send a row", self.timeout_s)
                 return
             finally:
                 self.queue.task_done()
@@ -326,7 +328,7 @@ class Receiver:
                 for b in bufs:
                     dist.recv(b, src)
             except RuntimeError as exc:
-                self.error = _peer_error(exc, src, self.layout, "receive a row")
+                self.error = _peer_error(exc, src, self.layout, "receive a row", self.timeout_s)
                 return
             self.bytes += HEADER * 8 + sum(b.numel() * b.element_size() for b in bufs)
             self.ready.put((src, header, unpack(header, bufs)))

@@ -410,6 +410,9 @@ class Trainer:
                     if self.is_writer:
                         path = self.save_checkpoint()
                         print(f"\n{stop}: saved {path}; resume with --resume auto", flush=True)
+                    # under torchrun a SIGTERM often means another rank failed: name it when we saw it
+                    if self.feed is not None and self.feed.receiver.error is not None:
+                        raise self.feed.receiver.error
                     raise KeyboardInterrupt
         finally:
             bar.close()
