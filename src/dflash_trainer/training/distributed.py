@@ -358,7 +358,7 @@ def eval_feature_rows(rows: list[PackedRow], cfg: RunConfig) -> list[int]:
 
 
 def _eval_message(row: PackedRow, feats: TargetFeatures) -> RowFeatures:
-    empty = torch.zeros(0, dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long, device=row.input_ids.device)
     return RowFeatures(row.input_ids, row.position_ids, row.loss_mask, empty, feats.context, feats.last_hidden)
 
 
