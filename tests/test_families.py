@@ -1,0 +1,109 @@
+"""The target families users train for, each a tiny random model (tests/families.py): speculative
+decoding is token-for-token plain greedy in chain and DDTree modes (past the sliding window, and with
+recurrent state on hybrids), and packed rows give per-document features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import FAMILIES, HYBRID, SLIDING, WINDOW, build_family
+
+from dflash_trainer.inference.speculative import SpeculativeDecoder, _forward_cache_kwarg, target_greedy
+from dflash_trainer.model.target import TargetModel
+
+PROMPT = list(range(100, 110))
+NEW_TOKENS = 40  # prompt + output = 50 tokens, twice the sliding window
+BLOCK = 6
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = build_family(name)
+            cache[name] = (model, target_greedy(model, PROMPT, NEW_TOKENS, [0])[0])
+        return cache[name]
+
+    return get
+
+
+class OracleDrafts(SpeculativeDecoder):
+    """The target side of ``SpeculativeDecoder`` unchanged; the drafts come from the reference greedy
+    continuation, with about a third of the slots corrupted (a wrong token ranked first, the right one
+    second), so rounds accept partly, fully, and off the top-1 branch of a tree."""
+
+    def __init__(self, target: TargetModel, reference: list[int], seed: int = 0):
+        self.target, self.model, self.eos = target, target.model, {0}
+        self._cache_kwarg = _forward_cache_kwarg(self.model)
+        self.target_tokens = 0
+        self.reference, self.gen = reference, torch.Generator().manual_seed(seed)
+
+    def _extend_context(self, drafter_cache, feats, start):
+        return None
+
+    def _draft_log_probs(self, anchor, anchor_pos, drafter_cache):
+        vocab = self.target.vocab_size
+        logits = torch.randn(BLOCK - 1, vocab, generator=self.gen)
+        for j in range(BLOCK - 1):
+            i = anchor_pos + 1 + j
+            if i < len(self.reference):
+                logits[j, self.reference[i]] = 10.0
+                if torch.rand(1, generator=self.gen) < 0.3:
+                    logits[j, int(torch.randint(vocab, (1,), generator=self.gen))] = 11.0
+        return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("mode, budget", [("chain", 1), ("ddtree", 10)])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_speculative_equals_greedy(models, family, mode, budget):
+    model, greedy = models(family)
+    assert len(set(greedy)) > NEW_TOKENS // 2, "degenerate target: greedy repeats itself"
+    decoder = OracleDrafts(TargetModel(model, layer_ids=[1, 2]), PROMPT + greedy)
+    result = decoder.generate(PROMPT, NEW_TOKENS, mode, budget=budget)
+    assert result.tokens == greedy
+    assert max(result.accepted) == BLOCK - 1 and min(result.accepted) < BLOCK - 1  # full and partial rounds
+    if family in SLIDING:
+        assert len(PROMPT) + NEW_TOKENS > 2 * WINDOW
+
+
+def test_hybrid_tree_needs_per_path_verification(models):
+    """Why hybrids verify per path: with one ancestor-masked pass, a node's logits are not those of its
+    path run alone (the recurrence mixes branches); per path they are."""
+    model, _ = models("qwen3_5")
+    prompt = PROMPT
+    path_a, path_b = [7, 8, 9], [11, 12]  # two branches under the anchor 5
+    whole = model(torch.tensor([prompt + [5] + path_a])).logits[0, -1]
+    flat = prompt + [5] + path_a + path_b  # a tree laid out flat, branch b after branch a
+    n = len(prompt)
+    allowed = torch.ones(len(flat), len(flat), dtype=torch.bool).tril()
+    allowed[n + 4 :, n + 1 : n + 4] = False  # branch b does not see branch a
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    positions = torch.tensor([*range(n + 4), n + 1, n + 2])
+    alone_b = model(torch.tensor([prompt + [5] + path_b])).logits[0, -1]
+    masked = model(torch.tensor([flat]), attention_mask=mask[None, None], position_ids=positions[None]).logits[0]
+    assert torch.allclose(masked[n + 3], whole, atol=1e-4)  # branch a comes first: unaffected
+    assert (masked[-1] - alone_b).abs().max() > 1e-2  # branch b leaks through the recurrence
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_features_equal_per_document(models, family):
+    model, _ = models(family)
+    target = TargetModel(model, layer_ids=[1, 2])
+    gen = torch.Generator().manual_seed(1)
+    lengths = [9, 14, 7]
+    ids = torch.randint(0, target.vocab_size, (sum(lengths),), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    packed = target.features(ids, pos)
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for a, b in zip(starts, starts[1:]):
+        alone = target.features(ids[a:b])
+        torch.testing.assert_close(packed.context[a:b], alone.context, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(packed.last_hidden[a:b], alone.last_hidden, atol=1e-4, rtol=1e-4)
+    if family in HYBRID:
+        assert not target.packs_documents  # recurrent state would cross documents
+    if family == "gpt_oss":
+        assert not target.packs_documents and target.packing_error > 1e-2  # its mask ignores position restarts
+    if family in ("qwen3", "llama"):
+        assert target.packs_documents
