@@ -69,6 +69,7 @@ FAMILIES: dict[str, dict] = {
 }
 HYBRID = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 SLIDING = ("mistral", "gemma3", "gpt_oss")
+MOE = ("gpt_oss", "qwen3_next", "qwen3_5_moe", "qwen3_moe")
 
 
 def family_config(name: str):

@@ -4,9 +4,11 @@ recurrent state on hybrids), and packed rows give per-document features."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from families import FAMILIES, HYBRID, SLIDING, WINDOW, build_family
+from families import FAMILIES, HYBRID, MOE, SLIDING, WINDOW, build_family
 
 from dflash_trainer.inference.speculative import SpeculativeDecoder, _forward_cache_kwarg, target_greedy
 from dflash_trainer.model.target import TargetModel
@@ -89,7 +91,10 @@ def test_hybrid_tree_needs_per_path_verification(models):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_features_equal_per_document(models, family):
-    model, _ = models(family)
+    model = copy.deepcopy(models(family)[0])
+    if family not in MOE:  # float64: any difference is a leak, not rounding (grouped expert matmuls lack it)
+        model = model.double()
+    tolerance = 1e-5 if family in MOE else 1e-9
     target = TargetModel(model, layer_ids=[1, 2])
     gen = torch.Generator().manual_seed(1)
     lengths = [9, 14, 7]
@@ -99,8 +104,8 @@ def test_packed_features_equal_per_document(models, family):
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     for a, b in zip(starts, starts[1:]):
         alone = target.features(ids[a:b])
-        torch.testing.assert_close(packed.context[a:b], alone.context, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(packed.last_hidden[a:b], alone.last_hidden, atol=1e-4, rtol=1e-4)
+        for got, want in ((packed.context[a:b], alone.context), (packed.last_hidden[a:b], alone.last_hidden)):
+            assert (got - want).abs().max() / want.abs().max() < tolerance
     if family in HYBRID:
         assert not target.packs_documents  # recurrent state would cross documents
     if family == "gpt_oss":
