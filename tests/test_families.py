@@ -112,3 +112,61 @@ def test_packed_features_equal_per_document(models, family):
         assert not target.packs_documents and target.packing_error > 1e-2  # its mask ignores position restarts
     if family in ("qwen3", "llama"):
         assert target.packs_documents
+
+
+# -- planner -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = root / name
+            build_family(name, made[name])
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_planner_counts_parameters_exactly_and_plans(models, folders, family):
+    from dflash_trainer.config import load_config
+    from dflash_trainer.planner.report import plan_for_config
+    from dflash_trainer.planner.shapes import load_target_shape, target_param_count
+
+    model, _ = models(family)
+    shape = load_target_shape(str(folders(family)))
+    assert target_param_count(shape) == sum(p.numel() for p in model.parameters())
+    if family in MOE:  # activations priced for the routed experts, not one dense width
+        assert shape.num_experts == 4 and shape.mlp_active_width >= 2 * 32
+    cfg = load_config(
+        ["tiny-demo"], [f"target.path={folders(family)}", "target.layer_ids=[1,2]", "target.num_feature_layers=2"]
+    )
+    plan = plan_for_config(cfg)
+    assert plan.devices and plan.chunk > 0
+
+
+def test_published_moe_parameter_counts():
+    """The planner's count for published MoE configs (the issue's reference numbers)."""
+    from dflash_trainer.planner.shapes import TargetShape, target_param_count
+
+    gpt_oss_20b = dict(
+        model_type="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        sliding_window=128,
+        tie_word_embeddings=False,
+    )
+    shape = TargetShape.from_config(gpt_oss_20b, "gpt-oss-20b")
+    assert round(target_param_count(shape) / 1e8) == 209  # 20.9 B, not the 2.4 B of a dense MLP
+    assert shape.mlp_active_width == 4 * 2880
