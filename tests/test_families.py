@@ -170,3 +170,88 @@ def test_published_moe_parameter_counts():
     shape = TargetShape.from_config(gpt_oss_20b, "gpt-oss-20b")
     assert round(target_param_count(shape) / 1e8) == 209  # 20.9 B, not the 2.4 B of a dense MLP
     assert shape.mlp_active_width == 4 * 2880
+
+
+# -- the whole flow per family ---------------------------------------------------------------------
+
+
+def _write_data(path, n=12):
+    import json
+
+    gen = torch.Generator().manual_seed(2)
+    words = ["def", "return", "self", "import", "class", "value", "for", "in", "range", "print", "if", "None"]
+    lines = []
+    for i in range(n):
+        text = " ".join(words[int(j)] for j in torch.randint(len(words), (40,), generator=gen))
+        lines.append(
+            json.dumps({"messages": [{"role": "user", "content": f"task {i}"}, {"role": "assistant", "content": text}]})
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_whole_flow(folders, tmp_path, family):
+    """Train two steps (with eval), speculative chain and DDTree against plain greedy, both exports and
+    their check, and the preflight with topology.preflight=false."""
+    import io
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.export.formats import check_export, export_checkpoint, load_export
+    from dflash_trainer.planner.preflight import preflight
+    from dflash_trainer.training.checkpoint import save_drafter
+    from dflash_trainer.training.setup import prepare
+    from dflash_trainer.training.trainer import Trainer
+
+    folder = folders(family)
+    cfg = load_config(
+        ["tiny-demo"],
+        [
+            f"target.path={folder}",
+            "target.layer_ids=[1,2]",
+            "target.num_feature_layers=2",
+            "drafter.num_layers=1",
+            "drafter.block_size=4",
+            f"data.train_files=[{_write_data(tmp_path / 'data.jsonl')}]",
+            "data.seq_len=96",
+            "data.max_anchors=4",
+            "data.max_eval_rows=1",
+            "train.max_steps=2",
+            "train.eval_every=2",
+            "train.save_every=2",
+            "topology.preflight=false",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    cfg = preflight(cfg, out=io.StringIO())
+    assert cfg.loss.chunk_size > 0
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(
+        cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path=str(folder), progress=False
+    )
+    summary = trainer.fit()
+    assert summary
+    drafter = trainer.drafter.eval()
+    if family == "gemma3":
+        assert drafter.spec.logit_softcap == 30.0
+    ckpt = save_drafter(drafter, tmp_path / "ckpt", target=target, target_path=str(folder))
+
+    greedy, _ = target_greedy(target.model, PROMPT, 30, [0])
+    decoder = SpeculativeDecoder(target, drafter, [0])
+    for mode in ("chain", "ddtree"):
+        assert decoder.generate(PROMPT, 30, mode, budget=6).tokens == greedy
+
+    for fmt in ("zlab", "speculators"):
+        out = export_checkpoint(ckpt, tmp_path / fmt, fmt, target_model=target.model if fmt == "speculators" else None)
+        assert check_export(out) == []
+        loaded = load_export(out, target)
+        assert loaded.spec.logit_options == drafter.spec.logit_options
+        if family == "gemma3":  # an export that drops the recorded transforms is caught
+            import json
+
+            config = json.loads((out / "config.json").read_text())
+            config.pop("target_transforms", None)
+            config.get("dflash_config", {}).pop("target_transforms", None)
+            (out / "config.json").write_text(json.dumps(config))
+            problems = check_export(out)
+            assert any("embedding_scale" in p for p in problems) and any("logit_softcap" in p for p in problems)
