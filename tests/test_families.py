@@ -143,6 +143,7 @@ def test_planner_counts_parameters_exactly_and_plans(models, folders, family):
     model, _ = models(family)
     shape = load_target_shape(str(folders(family)))
     assert target_param_count(shape) == sum(p.numel() for p in model.parameters())
+    assert shape.packs_documents == TargetModel(model, layer_ids=[1, 2]).packs_documents  # priced as it runs
     if family in MOE:  # activations priced for the routed experts, not one dense width
         assert shape.num_experts == 4 and shape.mlp_active_width >= 2 * 32
     cfg = load_config(

@@ -67,6 +67,10 @@ TARGET_PRESETS: dict[str, tuple[dict, str]] = {
     "qwen3-8b": (_QWEN3_8B, "Qwen3-8B: 36 layers, hidden 4096, vocab 151,936"),
 }
 
+# model types whose mask ignores position restarts (TargetModel measures this at load and then runs
+# each document alone; the planner, which loads no weights, prices that from this list)
+_MASK_IGNORES_POSITIONS = ("gpt_oss",)
+
 _REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 
 
@@ -117,6 +121,8 @@ class TargetShape:
     def packs_documents(self) -> bool:
         """Mirrors ``TargetModel.packs_documents``: recurrent layers would leak state across documents,
         so such targets run each document of a packed row on its own."""
+        if self.model_type in _MASK_IGNORES_POSITIONS:
+            return False
         return all(t in ("full_attention", "sliding_attention") for t in self.layer_types)
 
     @classmethod
