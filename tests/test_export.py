@@ -79,6 +79,7 @@ def test_export_round_trips_through_our_loader(setup, fmt):
             "target_layer_ids": [1, 2, 3, 4, 5],
             "causal_in_block_sliding": False,
             "target_model_path": "tiny",
+            "target_transforms": {"embedding_scale": 1.0, "logit_scale": 1.0, "logit_softcap": None},
         }
         assert cfg["num_target_layers"] == 8
         assert (

@@ -30,7 +30,7 @@ from dflash_trainer.planner import (
 )
 from dflash_trainer.planner import formulas as F
 from dflash_trainer.planner.preflight import preflight
-from dflash_trainer.planner.shapes import GB, TargetShape, gpu_memory
+from dflash_trainer.planner.shapes import GB, TargetShape, formula_param_count, gpu_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def test_target_param_count_matches_transformers(name):
     config = Qwen3_5TextConfig(**c) if shape.model_type == "qwen3_5_text" else Qwen3Config(**c)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert target_param_count(shape) == sum(p.numel() for p in model.parameters())
+    assert formula_param_count(shape) == target_param_count(shape) == sum(p.numel() for p in model.parameters())
     if name == "qwen3.6-27b":  # DESIGN.md: 54 GB of bf16 weights
         assert abs(target_param_count(shape) * 2 / GB - 54) < 0.5
 

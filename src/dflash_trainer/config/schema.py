@@ -54,6 +54,12 @@ class DrafterConfig(Section):
 
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2, description="B: anchor slot plus B-1 mask slots")
+    intermediate_size: int | None = Field(
+        None,
+        ge=1,
+        description="width of the drafter's dense SwiGLU MLP; null = the target's intermediate_size, or "
+        "3 x hidden_size for an MoE target without one (Qwen3.5-MoE)",
+    )
     sliding_window_layers: list[int] = Field(
         default_factory=list, description="drafter layers (0-based) that see only the last W context rows"
     )

@@ -11,6 +11,12 @@ Formats:
   ``aux_hidden_state_layer_ids`` (vLLM's ids = z-lab ids + 1: converted here and nowhere else),
   ``mask_token_id``, ``block_size``, ``speculators_config``; the target's embedding and lm_head are
   copied in as ``embed_tokens.weight`` and ``lm_head.weight``.
+
+Both record ``target_transforms`` (``embedding_scale``, ``logit_scale``, ``logit_softcap``): what the
+drafter trained with through the target's own modules (Gemma multiplies embeddings by sqrt(hidden) and
+soft-caps logits). The speculators folder stores ``embed_tokens.weight`` with the scale already applied
+(``embedding_scale_in_weights``), so a plain lookup gives the rows the drafter trained on; ``--check``
+compares the recorded transforms with the target's.
 """
 
 from __future__ import annotations
@@ -72,6 +78,43 @@ def _write_folder(out_dir: Path, files: dict[str, object], tensors: dict[str, to
             (tmp / name).write_text(text, encoding="utf-8")
 
 
+def target_transforms(spec: DrafterSpec, scale: float) -> dict:
+    """The embedding/logit transforms the drafter trained with (recorded in both export formats)."""
+    return {"embedding_scale": scale, "logit_scale": spec.logit_scale, "logit_softcap": spec.logit_softcap}
+
+
+def _recorded_transforms(cfg: dict) -> dict | None:
+    return cfg.get("target_transforms") or (cfg.get("dflash_config") or {}).get("target_transforms")
+
+
+def transform_problems(cfg: dict, target_dir: Path) -> list[str]:
+    """An export's recorded transforms against the target's (embedding scale, logit scale, softcap)."""
+    from transformers import AutoConfig
+
+    from ..model.target import config_embedding_scale, head_logit_options
+
+    tcfg = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    head = head_logit_options(tcfg)
+    want = {
+        "embedding_scale": config_embedding_scale(tcfg),
+        "logit_scale": head["logit_scale"],
+        "logit_softcap": head["softcap"],
+    }
+    got = _recorded_transforms(cfg) or {"embedding_scale": 1.0, "logit_scale": 1.0, "logit_softcap": None}
+    problems = []
+    for key, value in want.items():
+        have = got.get(key)
+        same = (have is None and value is None) or (
+            have is not None and value is not None and abs(float(have) - float(value)) <= 1e-6 * max(1.0, abs(value))
+        )
+        if not same:
+            problems.append(f"{key} {have} recorded, but the target applies {value} (the drafter trained with it)")
+    if cfg.get("speculators_model_type") == "dflash" and want["embedding_scale"] != 1.0:
+        if not (_recorded_transforms(cfg) or {}).get("embedding_scale_in_weights"):
+            problems.append("embed_tokens.weight is the raw table; the drafter trained on scaled embeddings")
+    return problems
+
+
 def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model=None) -> Path:
     """Export ``checkpoint`` as ``fmt`` ("zlab" or "speculators"). The speculators format copies the
     target's embedding and lm_head, so it needs ``target_model`` (a HF causal LM)."""
@@ -91,6 +134,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
                 "target_layer_ids": list(target["layer_ids"]),
                 "causal_in_block_sliding": spec.causal_in_block_sliding,
                 "target_model_path": target.get("path"),
+                "target_transforms": target_transforms(spec, _scale(target_model, target)),
             },
         }
         modeling = (resources.files("dflash_trainer.export") / "assets" / "modeling_dflash.py").read_text()
@@ -98,7 +142,9 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
     elif fmt == "speculators":
         if target_model is None:
             raise UserError("the speculators format copies the target's embedding and lm_head: the target is needed")
-        embed = target_model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+        scale = _scale(target_model, target)
+        # the drafter looked rows up through the target's module, which scales them (Gemma): bake it in
+        embed = (target_model.get_input_embeddings().weight.detach().float() * scale).to(torch.bfloat16)
         head = target_model.get_output_embeddings().weight.detach().to(torch.bfloat16)
         config = {
             "speculators_model_type": "dflash",
@@ -110,6 +156,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
             "draft_vocab_size": spec.vocab_size,
             "target_hidden_size": target["hidden_size"],
             "sliding_window_non_causal": not spec.causal_in_block_sliding,
+            "target_transforms": {**target_transforms(spec, scale), "embedding_scale_in_weights": True},
             "speculators_config": {
                 "algorithm": "dflash",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1}],
@@ -125,6 +172,25 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
     else:
         raise UserError(f"unknown export format {fmt!r}: use 'zlab' or 'speculators'")
     return Path(out_dir)
+
+
+def _scale(target_model, target_meta: dict) -> float | None:
+    """The target's embedding scale: from the loaded model, else from its config (meta device)."""
+    from ..model.target import config_embedding_scale, embedding_scale
+
+    if target_model is not None:
+        return embedding_scale(target_model)
+    path = target_meta.get("path")
+    if not path:
+        return 1.0
+    from transformers import AutoConfig
+
+    from ..model.loading import resolve_target_path
+
+    try:
+        return config_embedding_scale(AutoConfig.from_pretrained(resolve_target_path(path), local_files_only=True))
+    except (UserError, OSError, ValueError):
+        return None  # target not here: recorded as unknown, and --check against the target says so
 
 
 def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
@@ -150,6 +216,7 @@ def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
     else:
         raise UserError(f"{cfg_file}: neither a zlab (architectures DFlashDraftModel) nor a speculators dflash export")
     types = layer_cfg.get("layer_types") or []
+    transforms = _recorded_transforms(cfg) or {}
     spec = DrafterSpec(
         hidden_size=layer_cfg["hidden_size"],
         num_heads=layer_cfg["num_attention_heads"],
@@ -166,6 +233,8 @@ def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
         sliding_window=layer_cfg.get("sliding_window") or 2048,
         causal_in_block_sliding=causal,
         mask_token_id=mask_id,
+        logit_scale=float(transforms.get("logit_scale") or 1.0),
+        logit_softcap=transforms.get("logit_softcap"),
     )
     return fmt, spec, layer_ids, n_target, cfg
 
@@ -222,6 +291,7 @@ def check_export(folder: Path, target_path: str | None = None) -> list[str]:
                 )
         except (OSError, ValueError):
             pass  # a target without tokenizer files: the id range check above still holds
+    problems += transform_problems(cfg, tdir)
     if spec.block_size < 2:
         problems.append(f"block size {spec.block_size} is below 2")
     if fmt == "speculators":

@@ -11,6 +11,10 @@ One round, with the target's KV cache holding every accepted token before the an
     token (the next anchor); crop (chain) or compact (tree) the KV cache to the accepted path, and
     keep the hooked hidden states of the accepted positions as the drafter's new context rows.
 
+Cache handling per layer kind (full, sliding window, linear attention) lives in ``target_cache.py``:
+sliding layers are cropped/compacted from the end, and recurrent (hybrid) targets are rolled back by
+snapshot + replay, with trees verified as one chain per root-to-leaf path.
+
 The output is token-for-token the target's plain greedy decoding (tested); tau = mean(accepted+1).
 Batch size 1. The full-vocabulary head runs on verified positions only, never on the whole prompt.
 """
@@ -21,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetModel
 from .ddtree import build_tree
+from .target_cache import TargetCache, root_to_leaf_paths
 
 
 @dataclass
@@ -48,12 +52,14 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
         self.model = target.model
         self._cache_kwarg = _forward_cache_kwarg(self.model)
+        self.target_tokens = 0  # tokens the target has run (prompt, verifications, replays): the cost
 
     @torch.no_grad()
     def _forward(self, ids: list[int], positions: torch.Tensor, cache, mask=None, last_only=False):
         """Target forward of new tokens against ``cache``: logits ``[q, V]`` (or ``[1, V]``) and the
         hooked layers' hidden states ``[q, k*H]``."""
         dev = self.model.device
+        self.target_tokens += len(ids)
         out = self.model(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=positions[None].to(dev),
@@ -92,8 +98,9 @@ class SpeculativeDecoder:
         if budget < 1:
             raise ValueError(f"DDTree budget must be >= 1, got {budget}")
         t0 = time.perf_counter()
-        cache = DynamicCache(config=self.model.config)
-        logits, context = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache, last_only=True)
+        cache = TargetCache(self.model)
+        logits, context = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache.cache, last_only=True)
+        cache.commit(len(prompt_ids))
         drafter_cache = self._extend_context(None, context, 0)
         pos = len(prompt_ids)  # == tokens in the target's cache == the anchor's position
         anchor = int(logits[-1].argmax())
@@ -102,6 +109,8 @@ class SpeculativeDecoder:
             log_probs = self._draft_log_probs(anchor, pos, drafter_cache)
             if mode == "chain":
                 accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache)
+            elif cache.recurrent:
+                accepted, bonus, feats = self._verify_tree_paths(anchor, pos, build_tree(log_probs, budget), cache)
             else:
                 accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache)
             drafter_cache = self._extend_context(drafter_cache, feats, pos)
@@ -118,37 +127,72 @@ class SpeculativeDecoder:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache):
-        logits, feats = self._forward([anchor, *drafts], torch.arange(pos, pos + 1 + len(drafts)), cache)
+    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache: TargetCache):
+        fed = [anchor, *drafts]
+        cache.save()
+        logits, feats = self._forward(fed, torch.arange(pos, pos + len(fed)), cache.cache)
         greedy = logits.argmax(-1).tolist()  # greedy[i] follows position pos + i
         n = 0
         while n < len(drafts) and drafts[n] == greedy[n]:
             n += 1
-        cache.crop(-len(drafts[n:]))  # keep the anchor and the accepted drafts
+        if cache.keep_prefix(len(fed), n + 1):  # keep the anchor and the accepted drafts
+            feats = self._replay(fed[: n + 1], pos, cache)
         return drafts[:n], greedy[n], feats[: n + 1]
 
-    def _verify_tree(self, anchor: int, pos: int, tree, cache):
-        n = len(tree)
-        dev = self.model.device
+    def _replay(self, tokens: list[int], pos: int, cache: TargetCache) -> torch.Tensor:
+        """Run the accepted ``tokens`` on a rolled-back recurrent cache: their exact states and features."""
+        _, feats = self._forward(tokens, torch.arange(pos, pos + len(tokens)), cache.cache)
+        cache.commit(len(tokens))
+        return feats
+
+    def _verify_tree(self, anchor: int, pos: int, tree, cache: TargetCache):
+        """One forward over the whole tree with an ancestor mask (attention-only targets)."""
         depths = torch.tensor([0, *tree.depths])
-        allowed = torch.zeros(n + 1, pos + n + 1, dtype=torch.bool)
-        allowed[:, : pos + 1] = True  # the cache and the anchor
-        allowed[1:, pos + 1 :] = tree.ancestor_mask()  # each node: itself and its ancestors
-        dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache, mask=mask[None, None].to(dev))
+        mask = cache.tree_mask(pos, tree, self.model.dtype, self.model.device)
+        logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache.cache, mask=mask)
         greedy = logits.argmax(-1).tolist()  # greedy[0]: after the anchor; greedy[1 + i]: after node i
-        children = tree.children()
-        node, path, nxt = -1, [], greedy[0]
-        while (node, nxt) in children:
-            node = children[(node, nxt)]
-            path.append(node)
-            nxt = greedy[1 + node]
-        keep = torch.tensor([*range(pos + 1), *(pos + 1 + i for i in path)], device=dev)
-        for layer in cache.layers:  # compact the cache to the accepted path
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
+        path, nxt = _walk(tree, greedy[0], lambda node: greedy[1 + node])
+        cache.keep_tree_path(len(tree), path)
         return [tree.tokens[i] for i in path], nxt, feats[[0, *(1 + i for i in path)]]
+
+    def _verify_tree_paths(self, anchor: int, pos: int, tree, cache: TargetCache):
+        """Recurrent (hybrid) targets: each root-to-leaf path verified as its own chain, all paths in one
+        batch over copies of the state, so every node's logits are those of its path run alone; then the
+        accepted tokens are replayed on the rolled-back state."""
+        paths = root_to_leaf_paths(tree)
+        width = 1 + max(len(p) for p in paths)
+        # right padding never reaches a real token (causal), and the padded states are discarded
+        rows = [[anchor, *(tree.tokens[i] for i in p)] + [anchor] * (width - 1 - len(p)) for p in paths]
+        dev = self.model.device
+        cache.save()
+        cache.expand(len(paths))
+        self.target_tokens += len(paths) * width
+        out = self.model(
+            input_ids=torch.tensor(rows, device=dev),
+            position_ids=torch.arange(pos, pos + width, device=dev)[None].expand(len(paths), -1),
+            use_cache=True,
+            **{self._cache_kwarg: cache.cache},
+        )
+        greedy = out.logits.argmax(-1).tolist()  # [paths][width]
+        cache.collapse(width)
+        after = {}  # node -> the target's next token on its own path
+        for p, path in enumerate(paths):
+            for depth, node in enumerate(path, start=1):
+                after.setdefault(node, greedy[p][depth])
+        path, nxt = _walk(tree, greedy[0][0], after.__getitem__)
+        feats = self._replay([anchor, *(tree.tokens[i] for i in path)], pos, cache)
+        return [tree.tokens[i] for i in path], nxt, feats
+
+
+def _walk(tree, first: int, next_after):
+    """Follow the target's greedy tokens through ``tree``: ``(accepted node path, bonus token)``."""
+    children = tree.children()
+    node, path, nxt = -1, [], first
+    while (node, nxt) in children:
+        node = children[(node, nxt)]
+        path.append(node)
+        nxt = next_after(node)
+    return path, nxt
 
 
 @torch.no_grad()

@@ -76,7 +76,7 @@ class DrafterSpec:
             num_heads=c.num_attention_heads,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            intermediate_size=c.intermediate_size,
+            intermediate_size=drafter_intermediate_size(c, getattr(drafter_cfg, "intermediate_size", None)),
             vocab_size=c.vocab_size,
             num_layers=drafter_cfg.num_layers,
             num_features=num_features,
@@ -98,6 +98,17 @@ class DrafterSpec:
         if layer in self.sliding_window_layers:
             return MaskSpec(window=self.sliding_window, causal_in_block=self.causal_in_block_sliding)
         return MaskSpec()
+
+
+def drafter_intermediate_size(target_text_config, configured: int | None = None) -> int:
+    """The drafter's dense MLP width: ``configured`` (``drafter.intermediate_size``), else the target's
+    ``intermediate_size`` (z-lab's drafters copy it: for Qwen3-30B-A3B that is the dense 6144, not the
+    768 of one expert), else 3 x hidden_size for MoE configs that carry no dense width (Qwen3.5-MoE;
+    the same ratio as Qwen3-30B-A3B's 6144 = 3 x 2048)."""
+    if configured is not None:
+        return int(configured)
+    width = getattr(target_text_config, "intermediate_size", None)
+    return int(width) if width else 3 * int(target_text_config.hidden_size)
 
 
 def resolve_mask_token_id(tokenizer, configured: int | None, vocab_size: int) -> int:

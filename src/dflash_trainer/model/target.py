@@ -39,6 +39,25 @@ def head_logit_options(config) -> dict:
     return {"logit_scale": float(scale) if scale else 1.0, "softcap": float(softcap) if softcap else None}
 
 
+def embedding_scale(model) -> float:
+    """The factor a model's input embedding multiplies looked-up rows by (Gemma: sqrt(hidden)), else 1.
+    The drafter shares that module, so it trains on scaled rows; exports must carry the factor."""
+    emb = model.get_input_embeddings()
+    scale = getattr(emb, "scalar_embed_scale", None)
+    if scale is None and isinstance(getattr(emb, "embed_scale", None), torch.Tensor) and not emb.embed_scale.is_meta:
+        scale = emb.embed_scale.item()
+    return float(scale) if scale is not None else 1.0
+
+
+def config_embedding_scale(config) -> float:
+    """``embedding_scale`` of the model a config describes, built on the meta device (no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text_config(config))
+    return embedding_scale(model)
+
+
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     """``layer_ids`` if every id is a decoder layer of an ``num_layers``-layer target, else one error."""
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
@@ -64,6 +83,12 @@ def default_layer_ids(num_layers: int, k: int) -> list[int]:
             "set target.layer_ids explicitly"
         )
     return ids
+
+
+def _packing_tolerance(dtype: torch.dtype) -> float:
+    """Relative difference allowed between packed and per-document features: rounding only (a
+    document that sees another differs by tens of percent)."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
 
 
 class _StopForward(Exception):
@@ -116,11 +141,29 @@ class TargetModel:
         self.vocab_size = config.vocab_size
         ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers, num_feature_layers)
         self.layer_ids = check_layer_ids(ids, self.num_layers)
-        # Packing several documents in one row relies on the attention mask built from position ids;
-        # recurrent (linear-attention) layers would carry state across documents, so such targets run
-        # each document on its own.
+        # Packing several documents in one row relies on the model building its attention mask from
+        # position restarts. Recurrent (linear-attention) layers would carry state across documents, and
+        # some model classes ignore position_ids in their mask (gpt-oss), so this is measured, not assumed:
+        # a synthetic packed row must give the per-document features, else every document runs alone.
         layer_types = getattr(config, "layer_types", None) or []
-        self.packs_documents = all(t in ("full_attention", "sliding_attention") for t in layer_types)
+        attention_only = all(t in ("full_attention", "sliding_attention") for t in layer_types)
+        self.packing_error = self._packing_error() if attention_only else None
+        self.packs_documents = attention_only and self.packing_error <= _packing_tolerance(self.model.dtype)
+
+    @torch.no_grad()
+    def _packing_error(self, lengths: tuple[int, ...] = (13, 11)) -> float:
+        """Max |packed - per-document| of the hooked features on a synthetic row of documents of
+        ``lengths``, relative to the features' max magnitude."""
+        dev = self.embed_tokens.weight.device
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (sum(lengths),), generator=gen).to(dev)
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+        packed = self._run(ids[None], pos[None], need_teacher=True)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        alone = [self._run(ids[None, a:b], pos[None, a:b], need_teacher=True) for a, b in zip(starts, starts[1:])]
+        ref = torch.cat([torch.cat([p.context, p.last_hidden], -1) for p in alone]).float()
+        got = torch.cat([packed.context, packed.last_hidden], -1).float()
+        return float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
 
     def keep_only(self, part: str) -> None:
         """Free what this process's role never uses: "body" drops the output head (a target rank runs

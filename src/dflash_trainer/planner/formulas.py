@@ -48,6 +48,7 @@ class Workload:
     need_teacher_layers: bool = True  # the target runs past its last hooked layer (teacher hidden states)
     packed: bool = True  # rows hold several documents (the target's attention then needs a mask)
     prefetch: int = 2  # rows a target rank may run ahead of its drafter rank (topology.prefetch)
+    drafter_intermediate: int | None = None  # drafter.intermediate_size; None = the target's width
 
     @property
     def queries(self) -> int:
@@ -100,8 +101,10 @@ class DrafterDims:
     vocab: int
 
     @classmethod
-    def of(cls, s: TargetShape) -> DrafterDims:
-        return cls(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.vocab_size)
+    def of(cls, s: TargetShape, intermediate: int | None = None) -> DrafterDims:
+        """``intermediate``: ``drafter.intermediate_size`` when set (see ``drafter_intermediate_size``)."""
+        width = intermediate or s.intermediate_size
+        return cls(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, width, s.vocab_size)
 
     @property
     def qd(self) -> int:
@@ -219,7 +222,9 @@ def target_layer_transient(s: TargetShape, w: Workload, kind: str, cpu_threads: 
     ``up`` and their product (``gate`` is freed once activated), ``[L, I]`` each."""
     L, h, t = w.seq_len, s.hidden_size, w.t
     normed = L * h * t
-    mlp = normed + 3 * L * s.intermediate_size * t + L * h * t
+    # MoE: the routed tokens' expert activations (top-k widths) and the fp32 router logits
+    router = L * s.num_experts * 4
+    mlp = normed + 3 * L * s.mlp_active_width * t + L * h * t + router
     if kind == "linear_attention":
         # transformers' torch fallback (torch_chunk_gated_delta_rule; flash-linear-attention would use less):
         # q and k repeated to the value heads, v, beta, k*beta, v*beta, padded to 64-row chunks, the

@@ -168,7 +168,7 @@ def drafter_phases(
     correct_fraction: float = 1.0,
 ) -> dict[str, dict[str, int]]:
     """Per phase, the bytes of every item alive in it (see the module docstring)."""
-    d = F.DrafterDims.of(s)
+    d = F.DrafterDims.of(s, w.drafter_intermediate)
     dev = topo.device
     colocated = topo.target_gpus == 0
     L, Q, h = w.seq_len, w.queries, d.hidden
@@ -349,7 +349,7 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
         else ("device (target + drafter)" if topo.device == "cuda" else "CPU (target + drafter)")
     )
     notes = dict(_NOTES)
-    d = F.DrafterDims.of(s)
+    d = F.DrafterDims.of(s, w.drafter_intermediate)
     notes["drafter weights (fp32)"] = (
         f"{F.drafter_param_count(d, w.drafter_layers, w.num_features) / 1e9:.2f} B parameters"
     )

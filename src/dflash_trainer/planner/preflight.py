@@ -17,6 +17,8 @@ from .plan import Plan, Topology, make_plan
 from .report import available_ram, render_text, workload_from_config
 from .shapes import GB, load_target_shape
 
+FALLBACK_CHUNK = 1024  # loss rows per chunk when the planner cannot derive one (preflight off)
+
 
 def process_topology(cfg) -> Topology:
     """Where this launch trains: one CPU process, or ``target_ranks`` + ``drafter_ranks`` processes."""
@@ -61,7 +63,25 @@ def preflight(cfg, *, topology: Topology | None = None, out=None):
     """Return ``cfg`` with ``loss.chunk_size`` filled in; raise ``UserError`` if the run is predicted not to
     fit and ``topology.preflight`` is on. Prints one line (or the whole plan when it does not fit)."""
     out = out or sys.stdout
-    plan = plan_this_process(cfg, topology)
+    if not cfg.topology.preflight:
+        # off means off: a target the planner cannot price (an unusual config) must still train
+        from ..model.loading import resolve_target_path
+
+        resolve_target_path(cfg.target.path)  # a missing target folder: the same error loading would give
+        try:
+            plan = plan_this_process(cfg, topology)
+        except Exception as exc:  # the planner does not understand this config
+            chunk = cfg.loss.chunk_size or FALLBACK_CHUNK
+            print(
+                f"warning: preflight: the planner cannot price this target ({type(exc).__name__}: {exc}); "
+                f"topology.preflight is false, running with loss chunk {chunk:,}",
+                file=out,
+            )
+            cfg = cfg.model_copy(deep=True)
+            cfg.loss.chunk_size = chunk
+            return cfg
+    else:
+        plan = plan_this_process(cfg, topology)
     dev = next((d for d in plan.devices if not d.fits), plan.devices[-1])
     if not plan.fits:
         out.write(render_text(plan))

@@ -28,6 +28,7 @@ def workload_from_config(cfg) -> F.Workload:
         block_size=d.block_size,
         num_features=cfg.target.num_feature_layers,
         drafter_layers=d.num_layers,
+        drafter_intermediate=d.intermediate_size,
         sliding_window_layers=tuple(d.sliding_window_layers),
         causal_in_block_sliding=d.causal_in_block_sliding,
         attention_backend=d.attention_backend,

@@ -1,10 +1,14 @@
 """What the planner needs to know about a target and a GPU: shapes from a ``config.json``, built-in presets.
 
 A target is described by the fields of its Hugging Face ``config.json`` (nested ``text_config`` for
-multimodal checkpoints such as Qwen3.5/3.6). Parameter counts come from ``target_param_count``, a
-formula over those fields for the two layer kinds this project's targets have (softmax attention
-with optional output gate, Gated DeltaNet linear attention) plus the SwiGLU MLP; a test compares it
-with the model ``transformers`` builds from the same config.
+multimodal checkpoints such as Qwen3.5/3.6). Parameter counts come from ``target_param_count``: the
+model ``transformers`` builds from the config on the meta device (no memory), counted exactly, for
+any family it can instantiate (MoE experts included); a formula over the fields (softmax attention with
+optional output gate, Gated DeltaNet, SwiGLU MLP) is the fallback and the test's cross-check.
+
+Mixture-of-experts targets (``num_experts`` / ``num_local_experts``): all experts are weights, but a
+token's activations go through ``experts_per_tok`` experts of width ``moe_intermediate_size`` (plus a
+shared expert), so activation memory is priced with ``mlp_active_width``, not with a dense width.
 
 All sizes in this package are bytes; reports print decimal GB (1e9 bytes), the unit of DESIGN.md's
 figures (32.5 GB of target logits, 12.2 GB per logits tensor).
@@ -12,6 +16,7 @@ figures (32.5 GB of target logits, 12.2 GB per logits tensor).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +67,11 @@ TARGET_PRESETS: dict[str, tuple[dict, str]] = {
     "qwen3-8b": (_QWEN3_8B, "Qwen3-8B: 36 layers, hidden 4096, vocab 151,936"),
 }
 
-_REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
+# model types whose mask ignores position restarts (TargetModel measures this at load and then runs
+# each document alone; the planner, which loads no weights, prices that from this list)
+_MASK_IGNORES_POSITIONS = ("gpt_oss",)
+
+_REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,19 @@ class TargetShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    num_experts: int = 0  # 0 = dense MLP
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def mlp_active_width(self) -> int:
+        """Width of the MLP activations one token makes: the dense width, or the routed experts' plus
+        the shared expert's for an MoE target."""
+        if not self.num_experts:
+            return self.intermediate_size
+        return self.experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
 
     @property
     def num_full_attention(self) -> int:
@@ -100,6 +121,8 @@ class TargetShape:
     def packs_documents(self) -> bool:
         """Mirrors ``TargetModel.packs_documents``: recurrent layers would leak state across documents,
         so such targets run each document of a packed row on its own."""
+        if self.model_type in _MASK_IGNORES_POSITIONS:
+            return False
         return all(t in ("full_attention", "sliding_attention") for t in self.layer_types)
 
     @classmethod
@@ -127,6 +150,14 @@ class TargetShape:
         types = tuple(types or ["full_attention"] * n)
         if len(types) != n:
             raise UserError(f"{name}: config.json has {len(types)} layer_types for {n} layers")
+        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        if not experts and "intermediate_size" not in c:
+            raise UserError(
+                f"{name}: config.json has neither 'intermediate_size' nor experts (is this a causal LM's config?)"
+            )
+        moe_width = (
+            c.get("moe_intermediate_size") or c.get("intermediate_size") or 0
+        )  # gpt-oss: experts of intermediate_size
         gated = bool(c.get("attn_output_gate", model_type.startswith(("qwen3_5", "qwen3_next"))))
         linear = "linear_attention" in types
         return cls(
@@ -134,7 +165,9 @@ class TargetShape:
             model_type=model_type,
             num_layers=n,
             hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
+            # MoE configs without a dense width (Qwen3.5-MoE): 3 x hidden, the ratio of Qwen3-30B-A3B's
+            # dense intermediate_size (6144 = 3 x 2048); only the drafter default reads it (DrafterSpec)
+            intermediate_size=c.get("intermediate_size") or 3 * c["hidden_size"],
             vocab_size=c["vocab_size"],
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
@@ -147,6 +180,10 @@ class TargetShape:
             linear_key_head_dim=c.get("linear_key_head_dim", 128) if linear else 0,
             linear_value_head_dim=c.get("linear_value_head_dim", 128) if linear else 0,
             linear_conv_kernel_dim=c.get("linear_conv_kernel_dim", 4) if linear else 0,
+            num_experts=experts,
+            experts_per_tok=(c.get("num_experts_per_tok") or c.get("experts_per_token") or 1) if experts else 0,
+            moe_intermediate_size=moe_width if experts else 0,
+            shared_expert_intermediate_size=(c.get("shared_expert_intermediate_size") or 0) if experts else 0,
             config=dict(c),
         )
 
@@ -203,7 +240,33 @@ def linear_attention_params(s: TargetShape) -> int:
 
 
 def target_param_count(s: TargetShape) -> int:
-    """Embedding, lm_head (unless tied), every decoder layer (mixer + SwiGLU MLP + two norms), final norm."""
+    """Exact: the parameters of the model transformers builds from the config on the meta device;
+    the dense formula when transformers cannot build it (unknown model type)."""
+    counted = meta_param_count(json.dumps(s.config, sort_keys=True, default=str))
+    return counted if counted is not None else formula_param_count(s)
+
+
+@functools.lru_cache(maxsize=32)
+def meta_param_count(config_json: str) -> int | None:
+    """Parameters of ``AutoModelForCausalLM.from_config`` on the meta device (tied weights counted once),
+    or None when transformers has no causal LM for this config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = dict(json.loads(config_json))
+    model_type = c.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **c)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # an unknown or partial config: the formula is the answer
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def formula_param_count(s: TargetShape) -> int:
+    """Dense targets: embedding, lm_head (unless tied), every decoder layer (mixer + SwiGLU MLP + two
+    norms), final norm."""
     h = s.hidden_size
     mlp = 3 * h * s.intermediate_size
     layers = sum(
