@@ -224,3 +224,16 @@ def test_full_disk_during_a_checkpoint_is_one_error_and_resumable(setup, finishe
         trainer(setup, out).fit(resume="auto")
         assert metric_steps(out) == [1, 2, 3, 4, 5, 6]
         assert losses(out) == losses(finished)
+
+
+def test_documents_whose_pieces_hold_no_block_stop_with_one_error_not_a_hang(tmp_path):
+    # Each document passes its own check (a loss position with 4 tokens after it), but rows of 8 tokens
+    # cut it where no block of 4 fits: before, train_step looked for an anchor forever.
+    data = tmp_path / "tok.jsonl"
+    record = {"input_ids": list(range(10, 20)), "loss_mask": [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]}
+    data.write_text((json.dumps(record) + "\n") * 4)
+    cfg = cfg_for(data, tmp_path / "run", "data.seq_len=8")
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    t = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
+    with pytest.raises(UserError, match=r"no training block: none of the \d+ packed rows holds a block of 4 tokens"):
+        t.fit()

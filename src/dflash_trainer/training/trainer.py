@@ -100,13 +100,10 @@ class RowStream:
         return self.rows[self._order[i]]
 
 
-def rows_with_blocks(rows: list[PackedRow], block_size: int) -> int:
-    """How many of ``rows`` hold at least one valid anchor (a block of ``block_size`` tokens)."""
-    return sum(
-        1
-        for row in rows
-        if valid_anchor_positions(row.loss_mask, doc_ids_from_positions(row.position_ids), block_size).numel() > 0
-    )
+def has_block(row: PackedRow, block_size: int) -> bool:
+    """Whether ``row`` holds at least one valid anchor (a block of ``block_size`` tokens)."""
+    doc = doc_ids_from_positions(row.position_ids)
+    return valid_anchor_positions(row.loss_mask, doc, block_size).numel() > 0
 
 
 def check_rows_have_blocks(train_rows: list[PackedRow], eval_rows: list[PackedRow], cfg: RunConfig) -> None:
@@ -114,12 +111,13 @@ def check_rows_have_blocks(train_rows: list[PackedRow], eval_rows: list[PackedRo
     looking for an anchor, and evaluation would fail only after steps were spent."""
     b = cfg.drafter.block_size
     need = f"an anchor needs loss_mask 1 and {b - 1} more tokens of the same document within data.seq_len"
-    if train_rows and rows_with_blocks(train_rows, b) == 0:
+    # any() stops at the first row with a block: in a real data set that is the first row.
+    if train_rows and not any(has_block(row, b) for row in train_rows):
         raise UserError(
             f"no training block: none of the {len(train_rows)} packed rows holds a block of {b} tokens ({need})"
         )
     scored = eval_rows[: cfg.data.max_eval_rows]
-    if rows_with_blocks(scored, b) == 0:
+    if not any(has_block(row, b) for row in scored):
         raise UserError(
             f"no evaluation block: none of the {len(scored)} held-out rows scored holds a block of {b} tokens "
             f"({need}); set data.eval_files or data.eval_fraction"
@@ -322,36 +320,6 @@ class Trainer:
         self.scheduler.step()
         return {**totals, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
 
-    def _start(self, resume: str | None, overwrite: bool) -> None:
-        """Everything before the first step: refuse data without blocks, clean up dead checkpoint writes,
-        pick the checkpoint to resume (or start over), and load it with its metrics cut to its step."""
-        check_rows_have_blocks(self.train_rows, self.eval_rows, self.cfg)
-        write_resolved_config(self.cfg, self.out_dir)  # also: a clear error for an unusable output_dir
-        for dead in remove_dead_writes(self.out_dir):
-            print(f"removed {dead}: the temporary folder of a checkpoint write that did not finish", flush=True)
-        path = resume_checkpoint(self.out_dir, resume, overwrite)
-        old_checkpoints = self.out_dir / "checkpoints"
-        if path is None and old_checkpoints.is_dir() and any(old_checkpoints.iterdir()):
-            if not overwrite:
-                raise UserError(
-                    f"{self.out_dir} already holds checkpoints: continue with --resume auto, or start "
-                    "over with --overwrite, or choose another output_dir"
-                )
-            shutil.rmtree(old_checkpoints)
-        if path is None:
-            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
-            return
-        changes = config_changes(path, self.cfg)
-        if changes:
-            raise UserError(
-                f"checkpoint {path} was trained with other settings that change what a step computes: "
-                + "; ".join(changes)
-                + ". Resume with its settings (its run.yaml), or start over with --overwrite"
-            )
-        self.load_checkpoint(path)
-        truncate_metrics(self.out_dir / "metrics.jsonl", self.c.step)
-        print(f"resumed from {path} at step {self.c.step}", flush=True)
-
     def _on_signal(self, signum, _frame):
         self.stop_requested = signal.Signals(signum).name
 
@@ -412,3 +380,33 @@ class Trainer:
             if self.tb is not None:
                 self.tb.close()
         return last_eval
+
+    def _start(self, resume: str | None, overwrite: bool) -> None:
+        """Everything before the first step: refuse data without blocks, clean up dead checkpoint writes,
+        pick the checkpoint to resume (or start over), and load it with its metrics cut to its step."""
+        check_rows_have_blocks(self.train_rows, self.eval_rows, self.cfg)
+        write_resolved_config(self.cfg, self.out_dir)  # also: a clear error for an unusable output_dir
+        for dead in remove_dead_writes(self.out_dir):
+            print(f"removed {dead}: the temporary folder of a checkpoint write that did not finish", flush=True)
+        path = resume_checkpoint(self.out_dir, resume, overwrite)
+        old_checkpoints = self.out_dir / "checkpoints"
+        if path is None and old_checkpoints.is_dir() and any(old_checkpoints.iterdir()):
+            if not overwrite:
+                raise UserError(
+                    f"{self.out_dir} already holds checkpoints: continue with --resume auto, or start "
+                    "over with --overwrite, or choose another output_dir"
+                )
+            shutil.rmtree(old_checkpoints)
+        if path is None:
+            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            return
+        changes = config_changes(path, self.cfg)
+        if changes:
+            raise UserError(
+                f"checkpoint {path} was trained with other settings that change what a step computes: "
+                + "; ".join(changes)
+                + ". Resume with its settings (its run.yaml), or start over with --overwrite"
+            )
+        self.load_checkpoint(path)
+        truncate_metrics(self.out_dir / "metrics.jsonl", self.c.step)
+        print(f"resumed from {path} at step {self.c.step}", flush=True)
