@@ -142,7 +142,11 @@ def test_every_checkpoint_corrupt_refuses_unless_told_to_start_over(setup, finis
     out = copy_run(finished, tmp_path)
     for ckpt in (out / "checkpoints").iterdir():
         (ckpt / "checksums.json").write_text("[]")
-    with pytest.raises(UserError, match="every checkpoint in .* is corrupt .*start over with --overwrite"):
+    with pytest.raises(
+        UserError,
+        match="every checkpoint in .* is corrupt \\(step-0000006: checksums.json is not a mapping .*; "
+        "step-0000003: checksums.json is not a mapping .*\\); start over with --overwrite",
+    ):
         trainer(setup, out).fit(resume="auto")
     assert metric_steps(out) == [1, 2, 3, 4, 5, 6]  # nothing appended, nothing overwritten
     trainer(setup, out).fit(resume="auto", overwrite=True)

@@ -144,17 +144,25 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
+def _newest_valid(out_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """``(newest checkpoint under out_dir/checkpoints that verifies or None, [(newer corrupt one, why)])``."""
+    root = Path(out_dir) / "checkpoints"
+    problems: list[tuple[Path, str]] = []
+    if root.is_dir():
+        for path in sorted((p for p in root.iterdir() if p.name.startswith("step-")), reverse=True):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path, problems
+            problems.append((path, problem))
+    return None, problems
+
+
 def find_resume_checkpoint(out_dir: Path) -> Path | None:
     """Newest checkpoint under ``out_dir/checkpoints`` that verifies; corrupted ones are skipped with a warning."""
-    root = Path(out_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    for path in sorted((p for p in root.iterdir() if p.name.startswith("step-")), reverse=True):
-        problem = verify_checkpoint(path)
-        if problem is None:
-            return path
+    found, problems = _newest_valid(out_dir)
+    for path, problem in problems:
         print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
-    return None
+    return found
 
 
 def load_training_state(path: Path, drafter: DFlashDrafter) -> dict:
@@ -244,8 +252,9 @@ def config_changes(path: Path, cfg: RunConfig) -> list[str]:
 def resume_checkpoint(out_dir: Path, resume: str | None, overwrite: bool) -> Path | None:
     """The checkpoint a run continues from: ``resume`` is None (a fresh run), "auto" or a path.
 
-    "auto" with no checkpoint yet starts fresh (None). "auto" where checkpoints exist but none verifies
-    is refused, naming each one's problem, unless ``overwrite`` (start over: None). A named path that
+    "auto" takes the newest that verifies (a warning names each newer corrupt one); with no checkpoint
+    yet it starts fresh (None); where checkpoints exist but none verifies it is refused, naming each
+    one's problem in the one error line, unless ``overwrite`` (start over: None). A named path that
     does not exist or does not verify is refused."""
     if not resume:
         return None
@@ -257,14 +266,17 @@ def resume_checkpoint(out_dir: Path, resume: str | None, overwrite: bool) -> Pat
         if problem:
             raise UserError(f"checkpoint {path} cannot be resumed: {problem}")
         return path
-    root = Path(out_dir) / "checkpoints"
-    found = find_resume_checkpoint(out_dir)
-    existing = [p for p in root.iterdir() if p.name.startswith("step-")] if root.is_dir() else []
-    if found is None and existing and not overwrite:
+    found, problems = _newest_valid(out_dir)
+    if found is None and problems:
+        if overwrite:
+            return None
         raise UserError(
-            f"every checkpoint in {root} is corrupt ({len(existing)}, see the warnings above); "
-            "start over with --overwrite, or resume a copy you trust with --resume PATH"
+            f"every checkpoint in {Path(out_dir) / 'checkpoints'} is corrupt ("
+            + "; ".join(f"{path.name}: {why}" for path, why in problems)
+            + "); start over with --overwrite, or resume a copy you trust with --resume PATH"
         )
+    for path, problem in problems:
+        print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
     return found
 
 
