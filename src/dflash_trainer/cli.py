@@ -54,12 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that could break the line or the terminal (newlines, U+2028,
+    control characters, lone surrogates from a hostile input echoed in a message) written as an escape."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except UserError as exc:
-        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        print(f"dflash-train: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dflash-train: interrupted", file=sys.stderr)

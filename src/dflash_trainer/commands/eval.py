@@ -200,6 +200,7 @@ def run_eval(args: argparse.Namespace) -> int:
         min_tokens=max(s.block_size for s in specs),
         max_bad_fraction=cfg.data.max_bad_fraction,
         report_path=out / "data_report.json",
+        max_record_bytes=cfg.data.max_record_bytes,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = pack_documents(docs, cfg.data.seq_len, pad)

@@ -9,8 +9,10 @@ skipped, by reason, with their ``file:line``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -51,6 +53,19 @@ def _load_partial(partial: Path) -> set[tuple[str, int]]:
     return done
 
 
+@contextlib.contextmanager
+def _writing(partial: Path):
+    """A full disk or a read-only folder while writing becomes one error line; what is already in
+    ``partial`` stays (only whole records, each batch fsynced) and a rerun continues from it."""
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the output next to {partial}: {exc.strerror or exc}; the records written so far "
+            f"are kept in {partial}, rerun the same command to continue"
+        ) from None
+
+
 def _count_records(files: list[Path]) -> int:
     """Non-blank lines, i.e. what ``iter_records`` will yield (sizes the progress bar)."""
     n = 0
@@ -76,8 +91,8 @@ def _top_p(text: str) -> float:
 
 def _temperature(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return value
 
 
@@ -89,11 +104,15 @@ def run_generate(args: argparse.Namespace) -> int:
     # Every check that needs no model comes first, so a typo costs no model load.
     if not out.parent.is_dir():
         raise UserError(f"output folder {out.parent} does not exist")
-    if out.exists():
-        raise UserError(f"{out} already exists (a finished run); remove it or choose another --output")
     files = expand_paths(args.input)
     if out.resolve() in {f.resolve() for f in files}:
         raise UserError(f"--output {out} is also an input file")
+    if out.exists():
+        raise UserError(f"{out} already exists (a finished run); remove it or choose another --output")
+    if partial.exists() and not partial.is_file():
+        raise UserError(f"{partial} exists and is not a file; remove it or choose another --output")
+    if not os.access(out.parent, os.W_OK):
+        raise UserError(f"output folder {out.parent} is not writable")
     cfg = resolve_config(args)
     done = _load_partial(partial)
 
@@ -107,14 +126,14 @@ def run_generate(args: argparse.Namespace) -> int:
     total = _count_records(files)
     if args.limit is not None:
         total = min(total, args.limit)
-    records = itertools.islice(iter_records([str(f) for f in files]), args.limit)
+    records = itertools.islice(iter_records([str(f) for f in files], cfg.data.max_record_bytes), args.limit)
     todo = (r for r in records if (str(Path(r.source).resolve()), r.line) not in done)
 
     stats = GenerationStats()
     skipped: dict[str, list[str]] = {}
     written = len(done)
     start = time.perf_counter()
-    with open(partial, "a", encoding="utf-8") as f:
+    with _writing(partial), open(partial, "a", encoding="utf-8") as f:
         for batch in regenerate_batches(
             todo,
             model,
@@ -164,8 +183,9 @@ def run_generate(args: argparse.Namespace) -> int:
         "new_tokens_per_second": round(stats.new_tokens / seconds, 1) if seconds > 0 else None,
     }
     # Report first, then the rename: once OUT exists, its report does too.
-    atomic_write_json(report_path, report)
-    os.replace(partial, out)
+    with _writing(partial):
+        atomic_write_json(report_path, report)
+        os.replace(partial, out)
     print(
         f"wrote {written} records to {out} ({len(done)} resumed, {generated} generated in {seconds:.1f} s, "
         f"{report['records_per_second']} records/s, {stats.new_tokens} new tokens)"

@@ -80,7 +80,7 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
         agreed = [None]
         if writer:
             try:
-                path = Trainer.prepare_output(cfg, Path(cfg.output_dir), resume, overwrite)
+                path = Trainer.prepare_output(cfg, Path(cfg.output_dir), resume, overwrite, train_rows, eval_rows)
                 counters = read_counters(path) if path is not None else {"step": 0, "rows_consumed": 0}
                 agreed = [{"path": str(path) if path else None, **counters}]
             except UserError as exc:
@@ -132,9 +132,7 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
             group=group,
         )
         if start["path"]:
-            trainer.load_checkpoint(Path(start["path"]))
-            if writer:
-                print(f"resumed from {start['path']} at step {trainer.c.step}", flush=True)
+            trainer.resume_from(Path(start["path"]))
         result = trainer.run()
         summary = _finish(cfg, trainer, result) if writer else {}
         dist.destroy_process_group()

@@ -35,9 +35,40 @@ def preset_description(name: str) -> str:
     return next((line[1:].strip() for line in text.splitlines() if line.startswith("#")), "")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses aliases and duplicate keys.
+
+    Aliases: 800 bytes of nested aliases expand to billions of values (a "billion laughs" file), and
+    a config has no need for them. Duplicate keys: the schema promises that no setting is silently
+    ignored, and with duplicates the YAML spec leaves which one wins undefined."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*{event.anchor}) are not allowed in config files", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def strict_yaml_load(text: str):
+    """``yaml.safe_load`` without aliases and duplicate keys (see ``_StrictLoader``)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _read_yaml(text: str, label: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = strict_yaml_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -77,7 +108,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key part: write --set section.field=VALUE")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else raw
+        value = strict_yaml_load(raw) if raw.strip() else raw
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -199,7 +230,13 @@ def dump_config(config: RunConfig) -> str:
 
 
 def write_resolved_config(config: RunConfig, out_dir: Path) -> Path:
-    """Write ``run.yaml`` into ``out_dir`` (created) atomically and return its path."""
+    """Write ``run.yaml`` into ``out_dir`` (created) atomically and return its path. An ``out_dir`` that
+    cannot be a folder (a file, a file above it, read-only, a full disk) is a ``UserError``."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(out_dir / "run.yaml", dump_config(config))
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"output_dir {out_dir} is a file, not a folder; choose another output_dir")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return atomic_write_text(out_dir / "run.yaml", dump_config(config))
+    except OSError as exc:
+        raise UserError(f"cannot write to output_dir {out_dir}: {exc.strerror or exc}") from None

@@ -18,7 +18,8 @@ TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny targ
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    # allow_inf_nan=False: ``train.lr=.inf`` or ``nan`` is an error here, not a run of NaN steps later.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class TargetConfig(Section):
@@ -97,6 +98,9 @@ class DataConfig(Section):
         0.1, ge=0.0, lt=1.0, description="held-out share of train_files when eval_files is empty"
     )
     max_eval_rows: int = Field(16, ge=1, description="packed rows scored at each evaluation")
+    max_record_bytes: int = Field(
+        16 << 20, ge=1, description="a JSONL line longer than this is skipped and counted as a bad record"
+    )
 
 
 class LossConfig(Section):

@@ -12,6 +12,8 @@ unknown role, no assistant turn, ...):
 - ``template error``: the chat template failed or is not prefix-stable for this conversation;
 - ``token id out of range``: an id outside ``[0, vocab_size)`` (pre-tokenized records, or a tokenizer
   with more tokens than the model);
+- ``empty assistant turn``: an assistant turn that is empty or only whitespace (``generate`` treats
+  such a turn as an empty generation; training on it would teach the drafter to stop at once);
 - ``no assistant tokens``: nothing has ``loss_mask`` 1 after masking;
 - ``too short``: fewer than ``min_tokens`` tokens, or no position ``p`` with ``loss_mask[p] == 1`` that
   has at least ``min_tokens - 1`` tokens after it. With ``min_tokens`` = the block size this is exactly
@@ -29,7 +31,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..io import atomic_write_json
 from .chat import tokenize_conversation
-from .records import BadRecord, Record, expand_paths, iter_records
+from .records import DEFAULT_MAX_RECORD_BYTES, BadRecord, Record, expand_paths, iter_records
 
 # records.py puts the offending value after these prefixes ("unknown role 'robot'"); the count is by
 # the prefix so one category does not splinter into one entry per distinct value.
@@ -118,6 +120,8 @@ def _to_document(record: Record, tokenizer, vocab_size: int, min_tokens: int) ->
         if getattr(tokenizer, "chat_template", None) is None:
             # A setup problem, not a data problem: every chat record would fail the same way.
             raise UserError(f"the tokenizer has no chat template, needed for the chat records of {record.source}")
+        if any(m["role"] == "assistant" and not m["content"].strip() for m in record.messages):
+            return "empty assistant turn"
         try:
             ids, mask = tokenize_conversation(tokenizer, record.messages)
         except ValueError as e:
@@ -138,11 +142,12 @@ def load_documents(
     min_tokens: int,
     max_bad_fraction: float,
     report_path: str | os.PathLike | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> tuple[list[Document], DataReport]:
     """Every usable document of the JSONL files/folders ``paths``, in file and line order, and the report.
 
     ``vocab_size`` is the target model's (ids must index its embedding); ``min_tokens`` is usually the
-    block size (see the module docstring). The report is written to ``report_path`` when one is given.
+    block size (see the module docstring); lines longer than ``max_record_bytes`` are bad records. The report is written to ``report_path`` when one is given.
     Raises ``UserError`` when the share of bad records exceeds ``max_bad_fraction`` (after writing the
     report, to ``report_path`` or else a fresh temporary file, named in the message) or when no record
     at all is usable."""
@@ -150,7 +155,7 @@ def load_documents(
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
     report = DataReport(files=[str(p) for p in expand_paths(paths)])
     documents: list[Document] = []
-    for item in iter_records(paths):
+    for item in iter_records(paths, max_record_bytes):
         report.n_records += 1
         if isinstance(item, BadRecord):
             report.bad.append((item.source, item.line, item.reason))

@@ -7,11 +7,19 @@ Accepted record shapes (one JSON object per line):
 
 Every record comes back as a ``Record`` (normalized) or a ``BadRecord`` that names the file, the line
 and the reason, so callers can skip and count instead of crashing or silently dropping.
+
+Lines end at a newline byte only (a raw CR inside a record belongs to the record) and a UTF-8 byte
+order mark before the first line is ignored. A line that is not valid UTF-8, holds a lone surrogate
+escape, nests too deep, holds an integer too long to parse or is longer than ``max_record_bytes`` is a
+``BadRecord``: never replacement characters in training text, never a traceback. Data paths that are
+not regular files (a FIFO, a device, a broken link) are refused before anything is opened.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +40,10 @@ SHAREGPT_ROLES = {
     "observation": "tool",
 }
 ROLES = {"system", "user", "assistant", "tool"}
+DEFAULT_MAX_RECORD_BYTES = 16 << 20  # data.max_record_bytes' default: a longer line is skipped and counted
+_BOM = b"\xef\xbb\xbf"
+# A lone surrogate can enter a decoded string only through a \u escape (strict UTF-8 rejects its bytes).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 @dataclass
@@ -51,20 +63,44 @@ class BadRecord:
     reason: str  # short, stable category, e.g. "invalid JSON", "unknown role 'robot'"
 
 
+@dataclass
+class BadLine:
+    reason: str  # why a line is not a JSON value
+
+
+def _not_a_regular_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a data file (checked without opening it: a FIFO would block), or None."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "is a broken symbolic link" if path.is_symlink() else "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    return "is a FIFO, not a regular file" if stat.S_ISFIFO(mode) else "is not a regular file"
+
+
 def expand_paths(paths: list[str]) -> list[Path]:
-    """Files named directly, plus every ``*.jsonl`` under named folders (sorted); a missing path is an error."""
+    """Files named directly, plus every ``*.jsonl`` file under named folders (sorted; a directory named
+    ``x.jsonl`` is a folder, not a file). A missing path, a broken link, a FIFO or a device is an error."""
     files: list[Path] = []
     for p in paths:
         path = Path(p).expanduser()
         if path.is_dir():
-            found = sorted(path.rglob("*.jsonl"))
+            found = sorted(f for f in path.rglob("*.jsonl") if not f.is_dir())
             if not found:
                 raise UserError(f"data folder {p} contains no .jsonl files")
+            for f in found:
+                problem = _not_a_regular_file(f)
+                if problem:
+                    raise UserError(f"data file {f} {problem}")
             files.extend(found)
-        elif path.is_file():
-            files.append(path)
         else:
-            raise UserError(f"data path {p} does not exist")
+            problem = _not_a_regular_file(path)
+            if problem:
+                raise UserError(f"data path {p} {problem}")
+            files.append(path)
     return files
 
 
@@ -83,12 +119,15 @@ def parse_record(obj, source: str, line: int) -> Record | BadRecord:
         extra = {k: v for k, v in obj.items() if k not in ("input_ids", "loss_mask")}
         return Record(source, line, input_ids=ids, loss_mask=[int(m) for m in mask], extra=extra)
     if "messages" in obj:
-        turns, key_role, key_text, mapping = obj["messages"], "role", "content", None
+        key, key_role, key_text, mapping = "messages", "role", "content", None
     elif "conversations" in obj:
-        turns, key_role, key_text, mapping = obj["conversations"], "from", "value", SHAREGPT_ROLES
+        key, key_role, key_text, mapping = "conversations", "from", "value", SHAREGPT_ROLES
     else:
         return BadRecord(source, line, "no messages, conversations or input_ids")
-    if not isinstance(turns, list) or not turns:
+    turns = obj[key]
+    if not isinstance(turns, list):
+        return BadRecord(source, line, f"{key} is not a list of turns")
+    if not turns:
         return BadRecord(source, line, "empty conversation")
     messages = []
     for turn in turns:
@@ -105,16 +144,49 @@ def parse_record(obj, source: str, line: int) -> Record | BadRecord:
     return Record(source, line, messages=messages, extra=extra)
 
 
-def iter_records(paths: list[str]) -> Iterator[Record | BadRecord]:
-    """Every line of every file, in order, as a ``Record`` or a ``BadRecord`` (blank lines skipped)."""
+def _decode_line(raw: bytes, max_record_bytes: int):
+    """The JSON value of one line (bytes, without the BOM), or ``BadLine`` with the reason it is bad."""
+    if len(raw) > max_record_bytes:
+        return BadLine(f"record too large: {len(raw):,} bytes > data.max_record_bytes {max_record_bytes:,}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BadLine(f"invalid UTF-8: byte {exc.start} of the line")
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        return BadLine("invalid JSON: nested too deep")
+    except json.JSONDecodeError:
+        return BadLine("invalid JSON")
+    except ValueError as exc:  # int() refuses integers of more than sys.get_int_max_str_digits() digits
+        return BadLine(f"invalid JSON: {str(exc).split(';')[0]}")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return BadLine("invalid JSON: a lone surrogate escape in a string")
+        except RecursionError:
+            return BadLine("invalid JSON: nested too deep")
+    return obj
+
+
+def iter_records(paths: list[str], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Record | BadRecord]:
+    """Every line of every file, in order, as a ``Record`` or a ``BadRecord`` (blank lines skipped).
+    Lines end at a newline byte only and are numbered from 1; see the module docstring for bad lines."""
     for file in expand_paths(paths):
-        with open(file, encoding="utf-8", errors="replace") as f:
-            for number, text in enumerate(f, 1):
-                if not text.strip():
+        try:
+            f = open(file, "rb")
+        except OSError as exc:
+            raise UserError(f"cannot read data file {file}: {exc.strerror or exc}") from None
+        with f:
+            # Binary iteration splits at b"\n" only: a raw CR inside a record stays in the record.
+            for number, raw in enumerate(f, 1):
+                if number == 1 and raw.startswith(_BOM):
+                    raw = raw[len(_BOM) :]
+                if not raw.strip():
                     continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError:
-                    yield BadRecord(str(file), number, "invalid JSON")
+                obj = _decode_line(raw, max_record_bytes)
+                if isinstance(obj, BadLine):
+                    yield BadRecord(str(file), number, obj.reason)
                     continue
                 yield parse_record(obj, str(file), number)

@@ -31,6 +31,23 @@ def resolve_target_path(path: str | None) -> Path:
     return folder
 
 
+def _quiet_transformers() -> None:
+    """No loading bars and no advisory warnings from transformers on stderr: a failing command's stderr
+    is then its one error line, and a working one's is the project's own output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a broken model folder raises while loading: a truncated ``model.safetensors`` raises
+    ``SafetensorError`` (neither an ``OSError`` nor a ``ValueError``), a bad shard ``RuntimeError``."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, RuntimeError, SafetensorError)
+
+
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
@@ -43,10 +60,11 @@ def load_target_config(path: str | None):
     from .target import text_config
 
     folder = resolve_target_path(path)
+    _quiet_transformers()
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except _load_errors() as exc:
         raise TargetLoadError(f"cannot load target from {folder}: {_first_line(exc)}") from None
     return text_config(config), tokenizer, folder
 
@@ -69,10 +87,11 @@ def load_target(cfg: TargetConfig):
 
     folder = resolve_target_path(cfg.path)
     dtype = getattr(torch, cfg.dtype)
+    _quiet_transformers()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except _load_errors() as exc:
         raise TargetLoadError(f"cannot load target from {folder}: {_first_line(exc)}") from None
     model.eval().requires_grad_(False)
     return model, tokenizer, folder

@@ -7,6 +7,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..data.documents import load_documents
 from ..data.packing import pack_documents
+from ..data.records import expand_paths
 from ..errors import UserError
 from ..model.loading import load_target_model
 
@@ -17,12 +18,17 @@ def prepare(cfg: RunConfig, keep: str = "all"):
     rank: the frozen embedding and head, no decoder layers)."""
     if not cfg.data.train_files:
         raise UserError("data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl]")
+    # Data paths are checked before the target is read: a typo or a FIFO costs no model load.
+    expand_paths(cfg.data.train_files + cfg.data.eval_files)
     target, tokenizer = load_target_model(cfg.target)
     if keep != "all":
         target.keep_only(keep)
     out = Path(cfg.output_dir)
     common = dict(
-        vocab_size=target.vocab_size, min_tokens=cfg.drafter.block_size + 1, max_bad_fraction=cfg.data.max_bad_fraction
+        vocab_size=target.vocab_size,
+        min_tokens=cfg.drafter.block_size + 1,
+        max_bad_fraction=cfg.data.max_bad_fraction,
+        max_record_bytes=cfg.data.max_record_bytes,
     )
     docs, report = load_documents(cfg.data.train_files, tokenizer, report_path=out / "data_report.json", **common)
     if cfg.data.eval_files:

@@ -32,12 +32,20 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig, write_resolved_config
-from ..data.packing import PackedRow
+from ..data.blocks import valid_anchor_positions
+from ..data.packing import PackedRow, doc_ids_from_positions
 from ..errors import UserError
 from ..inference.acceptance import EvalInputError, acceptance_report
+from ..io import atomic_write
 from ..model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
 from ..model.target import TargetModel
-from .checkpoint import find_resume_checkpoint, load_training_state, save_training_checkpoint, verify_checkpoint
+from .checkpoint import (
+    config_changes,
+    load_training_state,
+    remove_dead_writes,
+    resume_checkpoint,
+    save_training_checkpoint,
+)
 from .distributed import StepPlan
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
 
@@ -93,6 +101,53 @@ class RowStream:
         if epoch != self._epoch:
             self._epoch, self._order = epoch, epoch_order(self.seed, epoch, len(self.rows))
         return self.rows[self._order[i]]
+
+
+def has_block(row: PackedRow, block_size: int) -> bool:
+    """Whether ``row`` holds at least one valid anchor (a block of ``block_size`` tokens)."""
+    doc = doc_ids_from_positions(row.position_ids)
+    return valid_anchor_positions(row.loss_mask, doc, block_size).numel() > 0
+
+
+def check_rows_have_blocks(train_rows: list[PackedRow], eval_rows: list[PackedRow], cfg: RunConfig) -> None:
+    """Refuse, before the first step, data from which no block can be drawn: training would loop forever
+    looking for an anchor, and evaluation would fail only after steps were spent."""
+    b = cfg.drafter.block_size
+    need = f"an anchor needs loss_mask 1 and {b - 1} more tokens of the same document within data.seq_len"
+    # any() stops at the first row with a block: in a real data set that is the first row.
+    if train_rows and not any(has_block(row, b) for row in train_rows):
+        raise UserError(
+            f"no training block: none of the {len(train_rows)} packed rows holds a block of {b} tokens ({need})"
+        )
+    scored = eval_rows[: cfg.data.max_eval_rows]
+    if not any(has_block(row, b) for row in scored):
+        raise UserError(
+            f"no evaluation block: none of the {len(scored)} held-out rows scored holds a block of {b} tokens "
+            f"({need}); set data.eval_files or data.eval_fraction"
+        )
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Cut ``metrics.jsonl`` after the record of ``step`` (the checkpoint a run resumes from): the steps
+    between that checkpoint and a kill are run again and must not be logged twice. A torn last line
+    goes too. Returns how many lines were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            record_step = None
+        if isinstance(record_step, int) and record_step <= step:
+            kept.append(line + b"\n")
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(b"".join(kept)))
+    return dropped
 
 
 @dataclass
@@ -200,8 +255,14 @@ class Trainer:
 
     # -- loop --------------------------------------------------------------------------------
     def _log(self, record: dict) -> None:
-        with open(self.out_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            raise UserError(
+                f"cannot append to {self.out_dir / 'metrics.jsonl'}: {exc.strerror or exc}; "
+                "free space and continue with --resume auto"
+            ) from None
         if self.tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
@@ -273,18 +334,24 @@ class Trainer:
             totals[6] = finite_flag
         tokens = int(totals[5])
         self.c.tokens += tokens
-        if totals[6] < 1:
+        finite = bool(totals[6] >= 1)
+        grad_norm = float("nan")
+        if finite:
+            # A finite loss can still give an inf/NaN gradient; stepping on it would make every weight NaN.
+            # After DDP's all-reduce every drafter rank holds the same gradients, so they agree here.
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip).item()
+            finite = math.isfinite(grad_norm)
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.c.skipped_nonfinite += 1
             self.c.consecutive_nonfinite += 1
             if self.c.consecutive_nonfinite >= cfg.train.max_consecutive_nonfinite:
                 raise UserError(
-                    f"{self.c.consecutive_nonfinite} consecutive steps had a non-finite loss "
+                    f"{self.c.consecutive_nonfinite} consecutive steps had a non-finite loss or gradient "
                     f"(step {self.c.step}); stopping. Lower train.lr or check the data."
                 )
             return None
         self.c.consecutive_nonfinite = 0
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip).item()
         with phase("optimizer"):
             self.optimizer.step()
         self.scheduler.step()
@@ -295,35 +362,50 @@ class Trainer:
         self.stop_requested = signal.Signals(signum).name
 
     @staticmethod
-    def prepare_output(cfg: RunConfig, out_dir: Path, resume: str | None, overwrite: bool) -> Path | None:
+    def prepare_output(
+        cfg: RunConfig, out_dir: Path, resume: str | None, overwrite: bool, train_rows: list, eval_rows: list
+    ) -> Path | None:
         """Prepare ``out_dir`` (the writer's job) and return the checkpoint to resume from, if any.
         A fresh run refuses an output folder that already holds checkpoints unless ``overwrite``."""
-        out_dir.mkdir(parents=True, exist_ok=True)
+        check_rows_have_blocks(train_rows, eval_rows, cfg)
+        write_resolved_config(cfg, out_dir)  # also: a clear error for an unusable output_dir
+        for dead in remove_dead_writes(out_dir):
+            print(f"removed {dead}: the temporary folder of a checkpoint write that did not finish", flush=True)
+        path = resume_checkpoint(out_dir, resume, overwrite)
         old_checkpoints = out_dir / "checkpoints"
-        if not resume and old_checkpoints.is_dir() and any(old_checkpoints.iterdir()):
+        if path is None and old_checkpoints.is_dir() and any(old_checkpoints.iterdir()):
             if not overwrite:
                 raise UserError(
                     f"{out_dir} already holds checkpoints: continue with --resume auto, or start "
                     "over with --overwrite, or choose another output_dir"
                 )
             shutil.rmtree(old_checkpoints)
-        if not resume:
+        if path is None:
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        write_resolved_config(cfg, out_dir)
-        if not resume:
             return None
-        path = find_resume_checkpoint(out_dir) if resume == "auto" else Path(resume)
-        if path is not None and resume != "auto" and verify_checkpoint(path):
-            raise UserError(f"checkpoint {path} cannot be resumed: {verify_checkpoint(path)}")
+        changes = config_changes(path, cfg)
+        if changes:
+            raise UserError(
+                f"checkpoint {path} was trained with other settings that change what a step computes: "
+                + "; ".join(changes)
+                + ". Resume with its settings (its run.yaml), or start over with --overwrite"
+            )
         return path
+
+    def resume_from(self, path: Path) -> None:
+        """Load a checkpoint ``prepare_output`` picked; the writer cuts metrics.jsonl to its step (the steps
+        between that checkpoint and a kill run again and must not be logged twice)."""
+        self.load_checkpoint(path)
+        if self.is_writer:
+            truncate_metrics(self.out_dir / "metrics.jsonl", self.c.step)
+            print(f"resumed from {path} at step {self.c.step}", flush=True)
 
     def fit(self, resume: str | None = None, overwrite: bool = False) -> dict:
         """Train to ``train.max_steps`` in this process; returns the final evaluation. ``resume``: "auto",
         a path or None."""
-        path = self.prepare_output(self.cfg, self.out_dir, resume, overwrite)
+        path = self.prepare_output(self.cfg, self.out_dir, resume, overwrite, self.train_rows, self.eval_rows)
         if path is not None:
-            self.load_checkpoint(path)
-            print(f"resumed from {path} at step {self.c.step}", flush=True)
+            self.resume_from(path)
         return self.run()
 
     def _stop_agreed(self) -> str | None:
