@@ -1,4 +1,4 @@
-"""Real speculative decoding, greedy: the target verifies the drafter's block as a chain or a DDTree.
+"""Real speculative decoding, greedy or sampled: the target verifies the drafter's block as a chain or a DDTree.
 
 One round, with the target's KV cache holding every accepted token before the anchor:
 
@@ -12,6 +12,9 @@ One round, with the target's KV cache holding every accepted token before the an
     keep the hooked hidden states of the accepted positions as the drafter's new context rows.
 
 The output is token-for-token the target's plain greedy decoding (tested); tau = mean(accepted+1).
+With a ``SampledVerification`` policy (``inference.sampling``) the target samples its token at every
+verified position instead of taking its argmax, and the walk follows its samples: the output is then
+distributed exactly as sampling from the target alone (tested statistically).
 Batch size 1. The full-vocabulary head runs on verified positions only, never on the whole prompt.
 """
 
@@ -27,6 +30,7 @@ from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetModel
 from .ddtree import build_tree
+from .sampling import GreedyVerification
 
 
 @dataclass
@@ -42,7 +46,7 @@ class DecodeResult:
 
 
 class SpeculativeDecoder:
-    """Greedy speculative decoding of ``target`` with ``drafter`` (chain or DDTree verification)."""
+    """Speculative decoding of ``target`` with ``drafter`` (chain or DDTree verification), greedy or sampled."""
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter, eos_ids: list[int]):
         self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
@@ -83,8 +87,11 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64
+        self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64, policy=None
     ) -> DecodeResult:
+        """Decode ``prompt_ids``; ``policy`` (``inference.sampling``) picks the target's tokens:
+        greedy by default, ``SampledVerification(T, top_p, seed)`` for lossless speculative sampling."""
+        policy = policy or GreedyVerification()
         if mode not in ("chain", "ddtree"):
             raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
         if not prompt_ids:
@@ -96,14 +103,14 @@ class SpeculativeDecoder:
         logits, context = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache, last_only=True)
         drafter_cache = self._extend_context(None, context, 0)
         pos = len(prompt_ids)  # == tokens in the target's cache == the anchor's position
-        anchor = int(logits[-1].argmax())
+        anchor = policy.rows(logits[-1:])(0, [])
         result = DecodeResult(tokens=[anchor])
         while len(result.tokens) < max_new_tokens and anchor not in self.eos:
             log_probs = self._draft_log_probs(anchor, pos, drafter_cache)
             if mode == "chain":
-                accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache)
+                accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache, policy)
             else:
-                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache)
+                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache, policy)
             drafter_cache = self._extend_context(drafter_cache, feats, pos)
             result.accepted.append(len(accepted))
             result.anchors.append(pos)
@@ -118,16 +125,13 @@ class SpeculativeDecoder:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache):
+    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache, policy=None):
         logits, feats = self._forward([anchor, *drafts], torch.arange(pos, pos + 1 + len(drafts)), cache)
-        greedy = logits.argmax(-1).tolist()  # greedy[i] follows position pos + i
-        n = 0
-        while n < len(drafts) and drafts[n] == greedy[n]:
-            n += 1
+        n, bonus = walk_chain(drafts, (policy or GreedyVerification()).rows(logits))
         cache.crop(-len(drafts[n:]))  # keep the anchor and the accepted drafts
-        return drafts[:n], greedy[n], feats[: n + 1]
+        return drafts[:n], bonus, feats[: n + 1]
 
-    def _verify_tree(self, anchor: int, pos: int, tree, cache):
+    def _verify_tree(self, anchor: int, pos: int, tree, cache, policy=None):
         n = len(tree)
         dev = self.model.device
         depths = torch.tensor([0, *tree.depths])
@@ -137,18 +141,40 @@ class SpeculativeDecoder:
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache, mask=mask[None, None].to(dev))
-        greedy = logits.argmax(-1).tolist()  # greedy[0]: after the anchor; greedy[1 + i]: after node i
-        children = tree.children()
-        node, path, nxt = -1, [], greedy[0]
-        while (node, nxt) in children:
-            node = children[(node, nxt)]
-            path.append(node)
-            nxt = greedy[1 + node]
+        path, nxt = walk_tree(tree, (policy or GreedyVerification()).rows(logits))
         keep = torch.tensor([*range(pos + 1), *(pos + 1 + i for i in path)], device=dev)
         for layer in cache.layers:  # compact the cache to the accepted path
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
         return [tree.tokens[i] for i in path], nxt, feats[[0, *(1 + i for i in path)]]
+
+
+def walk_chain(drafts: list[int], pick) -> tuple[int, int]:
+    """Accept drafts while each equals the target's token at its position: ``pick(i, candidates)`` is
+    the target's token after position ``pos + i`` (row i of the chain's verification logits).
+    Returns ``(accepted, bonus)``."""
+    n, token = 0, pick(0, drafts[:1])
+    while n < len(drafts) and drafts[n] == token:
+        n += 1
+        token = pick(n, drafts[n : n + 1])
+    return n, token
+
+
+def walk_tree(tree, pick) -> tuple[list[int], int]:
+    """Follow the target's tokens down ``tree``: ``pick(0, ...)`` is the target's token after the
+    anchor, ``pick(1 + i, ...)`` after node i (under node i's ancestors). Returns ``(path, bonus)``,
+    the accepted nodes and the first token no child matches."""
+    children = tree.children()
+    offspring: dict[int, list[int]] = {}
+    for (parent, token), _ in children.items():
+        offspring.setdefault(parent, []).append(token)
+    node, path = -1, []
+    token = pick(0, offspring.get(-1, []))
+    while (node, token) in children:
+        node = children[(node, token)]
+        path.append(node)
+        token = pick(1 + node, offspring.get(node, []))
+    return path, token
 
 
 @torch.no_grad()
@@ -166,6 +192,37 @@ def target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: li
         top_k=None,
         top_p=None,
     )
+    tokens = out[0, len(prompt_ids) :].tolist()
+    for i, tok in enumerate(tokens):
+        if tok in set(eos_ids):
+            tokens = tokens[: i + 1]
+            break
+    return tokens, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def target_sample(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int], temperature: float, top_p: float, seed: int
+) -> tuple[list[int], float]:
+    """Plain sampling with the target alone (Hugging Face ``generate``, ``do_sample``, no top-k):
+    ``(tokens, seconds)``; the baseline speculative sampling is timed against. Seeded through a
+    forked global RNG, so the caller's random state is left alone."""
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt_ids], device=model.device)
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            eos_token_id=list(eos_ids),
+            pad_token_id=list(eos_ids)[0],
+        )
     tokens = out[0, len(prompt_ids) :].tolist()
     for i, tok in enumerate(tokens):
         if tok in set(eos_ids):
