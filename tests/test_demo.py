@@ -44,6 +44,10 @@ def test_demo_end_to_end(tmp_path):
     assert summary["records"]["train"] > 20 and summary["records"]["eval"] > 2
     assert 1.0 <= summary["tau_before"]["tau"] <= cfg.drafter.block_size
     assert 1.0 <= summary["tau_after"]["tau"] <= cfg.drafter.block_size
+    # tau at T = 1 (speculative sampling), expected and measured, printed next to the greedy one
+    t1 = summary["tau_t1"]
+    assert 1.0 <= t1["expected"] <= cfg.drafter.block_size and 1.0 <= t1["measured"] <= cfg.drafter.block_size
+    assert "at T=1 (speculative sampling)" in result.stdout
     assert verify_checkpoint(out / "checkpoints" / "step-0000012") is None
     prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert all(p["messages"][0]["content"].startswith("Continue the Python module") for p in prompts)

@@ -232,6 +232,12 @@ def test_cli_compares_two_checkpoints(setup, tmp_path):
             "8",
             "--set",
             "data.seq_len=128",
+            "--temperature",
+            "1.0",
+            "--sample-prompts",
+            "2",
+            "--max-new-tokens",
+            "12",
         ],
         capture_output=True,
         text=True,
@@ -246,6 +252,16 @@ def test_cli_compares_two_checkpoints(setup, tmp_path):
     assert trained["blocks"] == fresh["blocks"] > 0  # same rows, same anchors
     assert trained["tau"] > fresh["tau"]
     assert "a/ckpt" in result.stdout and "T@32" in result.stdout
+    for r in (trained, fresh):  # tau(T=1) both ways, chain and every budget
+        sampled = r["sampling"]
+        assert sampled["temperature"] == 1.0 and sampled["top_p"] == 1.0
+        ex, me = sampled["expected"], sampled["measured"]
+        assert ex["blocks"] == r["blocks"] and ex["budgets"] == me["budgets"] == [2, 8, 32]
+        assert all(1.0 <= t <= B for t in [ex["tau"], *ex["ddtree_tau"]])
+        assert me["prompts"] == 2 and me["chain"]["rounds"] > 0 and len(me["ddtree"]) == 3
+        assert all(1.0 <= m["tau"] <= B for m in [me["chain"], *me["ddtree"]])
+    assert trained["sampling"]["expected"]["tau"] > fresh["sampling"]["expected"]["tau"]
+    assert "T=1 chain tau expected" in result.stdout
     from matplotlib.image import imread
 
     for name in ("acceptance_per_slot.png", "tau_vs_budget.png"):
@@ -280,6 +296,9 @@ def _edit_checkpoint(src, dst, edit):
         ("no_block", "no usable document among 2 records"),
         ("two_targets", "the checkpoints were trained for different targets"),
         ("not_a_checkpoint", "is not a drafter checkpoint"),
+        ("temperature", "--temperature must be >= 0, got -0.5"),
+        ("top_p", "--top-p must be in (0, 1], got 0.0"),
+        ("sample_prompts", "--sample-prompts must be integers >= 1"),
     ],
 )
 def test_bad_input_is_one_clear_line(setup, tmp_path, capsys, case, needle):
@@ -299,6 +318,12 @@ def test_bad_input_is_one_clear_line(setup, tmp_path, capsys, case, needle):
         extra = ["--budgets", "16,0"]
     elif case == "max_blocks":
         extra = ["--max-blocks-per-row", "-3"]
+    elif case == "temperature":
+        extra = ["--temperature", "-0.5"]
+    elif case == "top_p":
+        extra = ["--temperature", "1", "--top-p", "0"]
+    elif case == "sample_prompts":
+        extra = ["--temperature", "1", "--sample-prompts", "0"]
     elif case == "empty_data":
         data = tmp_path / "empty.jsonl"
         data.write_text("")

@@ -209,3 +209,296 @@ def test_generate_chain_tau_agrees_with_eval_decode_tau(trained):
     report = decode_path_acceptance(target, drafter, rows)
     assert report["rounds"] == rounds
     assert abs(report["tau"] - total / rounds) < 1e-9
+
+
+# -- sampling (T > 0) -------------------------------------------------------------------------------
+
+# The statistical tests below reject "distributed as the target" at this significance. Seeds are
+# fixed, so each test is deterministic; a correct sampler fails one only by a 1-in-1000 chance of its seeds.
+ALPHA = 1e-3
+SAMPLES = 200  # continuations per configuration: the biased verifier gets p < 1e-20 at this size
+CONTINUATION = 3  # tokens per continuation: the anchor and two verified positions
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> tuple[float, int]:
+    """Pearson's chi-square goodness of fit: ``(p value, degrees of freedom)``; the survival function
+    of chi-square(df) is the regularized upper incomplete gamma function Q(df/2, x/2)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2))), df
+
+
+def test_chi_square_p_value_matches_tables():
+    # chi-square quantiles: 3.841 (df 1) and 11.070 (df 5) at 0.05, 6.635 (df 1) at 0.01
+    assert abs(chi_square_p_value([0, 0], [1.0, 1.0])[0] - 0.157299) < 1e-5  # stat 2, df 1
+    for stat, df, p in [(3.841459, 1, 0.05), (11.0705, 5, 0.05), (6.634897, 1, 0.01)]:
+        got = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+        assert abs(got - p) < 1e-5
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.9), (1.3, 0.5)])
+def test_sampling_probs_match_transformers_warpers(temperature, top_p):
+    """The target's sampling distribution is Hugging Face's: temperature, then TopPLogitsWarper."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from dflash_trainer.inference.sampling import sampling_probs
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ref = torch.softmax(ref, dim=-1)
+    ours = sampling_probs(logits, temperature, top_p)
+    assert ours.dtype == torch.float64
+    assert torch.equal(ours > 0, ref > 0)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-15)
+
+
+def test_sample_from_never_picks_a_zero_probability_token():
+    from dflash_trainer.inference.sampling import sample_from
+
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    assert sample_from(probs, 1e-12) == 1
+    assert sample_from(probs, 0.25) == 1
+    assert sample_from(probs, 0.2500001) == 3
+    assert sample_from(probs, 1.0) == 3
+
+
+class AcceptDraftsInSupport:
+    """A deliberately biased verifier: accepts a draft whenever the target could have sampled it
+    (probability > 0 after top-p) instead of sampling and comparing; samples only the bonus token."""
+
+    def __init__(self, temperature, top_p, seed):
+        from dflash_trainer.inference.sampling import SampledVerification
+
+        self.inner = SampledVerification(temperature, top_p, seed)
+
+    def rows(self, logits):
+        from dflash_trainer.inference.sampling import sampling_probs
+
+        probs = sampling_probs(logits, self.inner.temperature, self.inner.top_p)
+        sample = self.inner.rows(logits)
+
+        def pick(row, candidates):
+            for token in candidates:
+                if probs[row, token] > 0:
+                    return token
+            return sample(row, candidates)
+
+        return pick
+
+
+def _exact_continuations(model, prompt, temperature, top_p, length, min_prob):
+    """Every continuation of ``length`` tokens (shorter when it ends with EOS) whose probability under
+    plain target sampling is at least ``min_prob``, with that probability (float64, from the target's
+    own full forward passes): ``{tokens: probability}``. The bins of the chi-square test."""
+    from dflash_trainer.inference.sampling import sampling_probs
+
+    frontier, done = {(): 1.0}, {}
+    for _ in range(length):
+        grown = {}
+        for prefix, prob in frontier.items():
+            if prefix and prefix[-1] in EOS:
+                done[prefix] = prob
+                continue
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            q = sampling_probs(logits.double(), temperature, top_p) * prob
+            for token in (q >= min_prob).nonzero()[:, 0].tolist():
+                grown[(*prefix, token)] = float(q[token])
+        frontier = grown
+    return {**done, **frontier}
+
+
+@pytest.fixture(scope="module")
+def sampled_runs(trained):
+    """Continuations of one prompt by speculative sampling (seeds 0..SAMPLES-1) per configuration,
+    correct and biased, cached so that the test of each configuration reads them."""
+    from dflash_trainer.inference.sampling import SampledVerification
+
+    decoder = SpeculativeDecoder(trained["target"], trained["drafter"], EOS)
+    # 16 tokens into a response, where the tiny target is sure enough that the likeliest continuations
+    # hold a good part of the mass (at the start of a response it is nearly uniform at T = 1)
+    first = trained["prompts"][0]
+    prompt = first + target_greedy(trained["target"].model, first, 16, EOS)[0]
+    cache = {}
+
+    def runs(mode, budget, temperature, top_p, biased=False):
+        key = (mode, budget, temperature, top_p, biased)
+        if key not in cache:
+            make = AcceptDraftsInSupport if biased else SampledVerification
+            outs, rounds = [], []
+            for seed in range(SAMPLES):
+                res = decoder.generate(prompt, CONTINUATION, mode, budget, make(temperature, top_p, seed))
+                outs.append(tuple(res.tokens))
+                rounds.append(res.accepted)
+            cache[key] = outs, rounds
+        return cache[key]
+
+    return prompt, runs
+
+
+@pytest.mark.parametrize(
+    "mode, budget, temperature, top_p",
+    [
+        ("chain", 1, 1.0, 1.0),
+        ("chain", 1, 0.7, 0.9),
+        ("ddtree", 8, 1.0, 1.0),
+        ("ddtree", 8, 0.7, 1.0),
+    ],
+)
+def test_speculative_sampling_is_lossless_in_distribution(trained, sampled_runs, mode, budget, temperature, top_p):
+    """Continuations of CONTINUATION tokens by speculative sampling follow plain target sampling
+    (chi-square goodness of fit against the target's exact probabilities, p > ALPHA), while the
+    biased verifier, on the same seeds, is rejected (p < ALPHA). Drafts must really be accepted,
+    else the test would not exercise the walk."""
+    prompt, runs = sampled_runs
+    exact = _exact_continuations(trained["target"].model, prompt, temperature, top_p, CONTINUATION, 5 / SAMPLES)
+    bins = list(exact)
+    expected = [SAMPLES * exact[c] for c in bins] + [SAMPLES * (1 - sum(exact.values()))]
+    p_values = {}
+    for biased in (False, True):
+        outs, rounds = runs(mode, budget, temperature, top_p, biased)
+        counts = [outs.count(c) for c in bins]
+        observed = counts + [SAMPLES - sum(counts)]
+        p_values[biased], df = chi_square_p_value(observed, expected)
+        if not biased:
+            assert sum(sum(r) for r in rounds) > SAMPLES / 10  # drafts were accepted, many times
+    assert df >= 3
+    assert p_values[False] > ALPHA, p_values
+    assert p_values[True] < ALPHA, p_values
+
+
+def test_sampled_decoding_is_reproducible_and_seeded(trained):
+    from dflash_trainer.inference.sampling import SampledVerification
+
+    decoder = SpeculativeDecoder(trained["target"], trained["drafter"], EOS)
+    prompt = trained["prompts"][0]
+    for mode, budget in [("chain", 1), ("ddtree", 16)]:
+        first = decoder.generate(prompt, 24, mode, budget, SampledVerification(1.0, 1.0, seed=7))
+        again = decoder.generate(prompt, 24, mode, budget, SampledVerification(1.0, 1.0, seed=7))
+        assert first.tokens == again.tokens and first.accepted == again.accepted
+        others = {
+            tuple(decoder.generate(prompt, 24, mode, budget, SampledVerification(1.0, 1.0, s)).tokens) for s in range(3)
+        }
+        assert len(others) > 1
+
+
+def _visited_rounds(trained, mode, budget, temperature, top_p, seeds):
+    """Real speculative sampling of the fixture's prompts: per run, the row of generated context
+    (padded so every anchor has a full block) and its rounds' anchors and accepted counts."""
+    from dflash_trainer.data.packing import PackedRow
+    from dflash_trainer.inference.sampling import SampledVerification
+
+    decoder = SpeculativeDecoder(trained["target"], trained["drafter"], EOS)
+    b = trained["drafter"].spec.block_size
+    runs = []
+    for i, prompt in enumerate(trained["prompts"][:4]):
+        for seed in seeds:
+            res = decoder.generate(prompt, 32, mode, budget, SampledVerification(temperature, top_p, 100 * i + seed))
+            ids = torch.tensor(prompt + res.tokens + [EOS[0]] * b)
+            row = PackedRow(ids, torch.arange(ids.numel()), torch.ones_like(ids))
+            runs.append((row, torch.tensor(res.anchors), res.accepted))
+    return runs
+
+
+@pytest.mark.parametrize("mode, budget, temperature, top_p", [("chain", 1, 1.0, 1.0), ("ddtree", 8, 0.7, 0.9)])
+def test_expected_acceptance_is_the_mean_of_measured_acceptance(trained, mode, budget, temperature, top_p):
+    """At the very contexts real speculative sampling visited, eval's expected accepted count (exact
+    target conditionals along the drafter's chain or tree) is the mean of the accepted count measured:
+    mean(measured - expected) over the rounds is within 4 standard errors of 0. Expectations at the
+    wrong temperature are rejected by the same check, so it has the power to tell."""
+    from dflash_trainer.inference.sampled_acceptance import block_expectations
+
+    target, drafter = trained["target"], trained["drafter"]
+    runs = _visited_rounds(trained, mode, budget, temperature, top_p, range(6))
+
+    def z_score(t):
+        diffs = []
+        for row, anchors, accepted in runs:
+            e = block_expectations(target, drafter, row, anchors, temperature=t, top_p=top_p, budgets=[budget])
+            expected = e["chain"] if mode == "chain" else e["ddtree"][:, 0]
+            diffs += (torch.tensor(accepted, dtype=torch.float64) - expected).tolist()
+        d = torch.tensor(diffs)
+        return (d.mean() / (d.std() / len(diffs) ** 0.5)).item(), len(diffs)
+
+    z, rounds = z_score(temperature)
+    assert rounds > 100
+    assert abs(z) < 4, z
+    assert abs(z_score(temperature / 4)[0]) > 4  # a peaked target accepts the drafts more often
+
+
+def test_expected_equals_greedy_acceptance_as_temperature_vanishes(trained):
+    """At T -> 0 the target's sampling distribution is its argmax, so the expected chain and DDTree
+    acceptance equal the greedy teacher-forced acceptance of the same blocks."""
+    from dflash_trainer.data.documents import Document
+    from dflash_trainer.data.packing import pack_documents
+    from dflash_trainer.inference.acceptance import acceptance_report
+    from dflash_trainer.inference.sampled_acceptance import expected_sampled_acceptance
+
+    tok = trained["tok"]
+    docs = []
+    for i, rec in enumerate(trained["records"][:4]):
+        prompt = trained["prompts"][i]
+        response = tok(rec["messages"][1]["content"], add_special_tokens=False)["input_ids"]
+        docs.append(Document(prompt + response, [0] * len(prompt) + [1] * len(response), "mem", i))
+    rows = pack_documents(docs, 512, 0)
+    greedy = acceptance_report(
+        trained["target"], trained["drafter"], rows, budgets=[4, 16], max_blocks_per_row=12, decode_path=False
+    )
+    cold = expected_sampled_acceptance(
+        trained["target"], trained["drafter"], rows, temperature=1e-4, budgets=[4, 16], max_blocks_per_row=12
+    )
+    assert cold["blocks"] == greedy["blocks"]
+    assert abs(cold["tau"] - greedy["tau"]) < 1e-6
+    assert max(abs(a - b) for a, b in zip(cold["ddtree_tau"], greedy["ddtree_tau"])) < 1e-6
+    warm = expected_sampled_acceptance(
+        trained["target"], trained["drafter"], rows, temperature=1.0, budgets=[4, 16], max_blocks_per_row=12
+    )
+    assert warm["tau"] < cold["tau"]  # the records are the target's greedy responses
+    assert warm["ddtree_tau"][0] <= warm["ddtree_tau"][1]
+    assert abs(sum(warm["reach"]) - (warm["tau"] - 1)) < 1e-9
+
+
+def test_cli_speculative_sampling(trained, tmp_path):
+    """`speculate --temperature`: sampled outputs (not compared token for token), tau per mode, seeded."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in trained["records"][:2]))
+
+    def speculate(out, *extra):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dflash_trainer.cli",
+                "speculate",
+                "--drafter",
+                str(trained["ckpt"]),
+                "--input",
+                str(prompts),
+                "--output",
+                str(out),
+                "--max-new-tokens",
+                "16",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    out = tmp_path / "s.jsonl"
+    result = speculate(
+        out, "--mode", "ddtree", "--budget", "8", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5"
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "s.jsonl.report.json").read_text())
+    assert (report["temperature"], report["top_p"], report["seed"]) == (0.7, 0.9, 5)
+    mode = report["modes"]["ddtree-8"]
+    assert mode["mismatches"] is None and 1.0 <= mode["tau"] <= 8
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and all(r["ddtree-8_text"] for r in records)
+    bad = speculate(tmp_path / "x.jsonl", "--temperature", "1", "--top-p", "1.5")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "dflash-train: error: --top-p must be in (0, 1], got 1.5"
+    ]

@@ -20,7 +20,8 @@ import torch
 from ..config import RunConfig, write_resolved_config
 from ..config.cli_args import add_config_args, resolve_config
 from ..data.records import iter_records
-from ..inference.regenerate import regenerate_records
+from ..inference.regenerate import eos_ids, regenerate_records
+from ..inference.sampled_acceptance import chain_tau_both_ways
 from ..io import atomic_write_json, atomic_write_text
 from ..model.loading import load_target, resolve_target_path
 from ..tiny_target.corpus import load_split
@@ -109,6 +110,16 @@ def run_demo(cfg: RunConfig, *, max_new_tokens: int = 160, prompts_per_file: int
         flush=True,
     )
     print("      acceptance per slot after training: " + " ".join(f"{a:.2f}" for a in after["slot_acceptance"]))
+    # served with sampling, drafts are accepted when the target's sample equals them: tau at T = 1
+    sampled = chain_tau_both_ways(
+        target, trainer.drafter, eval_rows[: cfg.data.max_eval_rows], eos_ids(model, tokenizer), temperature=1.0
+    )
+    print(
+        f"      chain tau at T=0 (greedy): {after['tau']:.3f}; at T=1 (speculative sampling): "
+        f"{sampled['expected']:.3f} expected, {sampled['measured']:.3f} +- {sampled['measured_stderr']:.3f} "
+        f"measured over {sampled['rounds']} rounds",
+        flush=True,
+    )
     print(
         f"checkpoint: {checkpoint}\n"
         f"export it for serving:  dflash-train export --format zlab {checkpoint} {out / 'export-zlab'}\n"
@@ -118,6 +129,7 @@ def run_demo(cfg: RunConfig, *, max_new_tokens: int = 160, prompts_per_file: int
     summary = {
         "tau_before": before,
         "tau_after": after,
+        "tau_t1": sampled,
         "checkpoint": str(checkpoint),
         "records": {"train": len(train_records), "eval": len(eval_records)},
         "seconds": round(time.time() - t_start, 1),

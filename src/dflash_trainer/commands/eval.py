@@ -2,7 +2,10 @@
 
 Evaluates several checkpoints of one target on the same rows (``inference.acceptance``) and writes
 ``DIR/report.json``, ``DIR/acceptance_per_slot.png``, ``DIR/tau_vs_budget.png``,
-``DIR/data_report.json`` and ``DIR/run.yaml``.
+``DIR/data_report.json`` and ``DIR/run.yaml``. With ``--temperature T > 0`` each checkpoint's report
+also holds ``sampling``: tau(T) expected under target sampling along the held-out responses and
+measured by real speculative sampling from the documents' prompts (``inference.sampled_acceptance``),
+chain and per DDTree budget, also drawn in ``tau_vs_budget.png``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ def plot_acceptance(entries: list[dict], path: Path) -> None:
 
 
 def plot_tau_vs_budget(entries: list[dict], path: Path) -> None:
-    """DDTree tau against the tree budget (log2 axis); each checkpoint's chain tau as a dashed line."""
+    """DDTree tau against the tree budget (log2 axis); each checkpoint's chain tau as a horizontal line.
+    Greedy: solid (DDTree) and dashed (chain); with a ``sampling`` report, tau(T) expected (dotted,
+    squares) and measured (dash-dot, crosses with standard errors)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8.5, 4.2), layout="constrained")
@@ -63,12 +68,29 @@ def plot_tau_vs_budget(entries: list[dict], path: Path) -> None:
         color = f"C{i % 10}"
         ax.plot(r["budgets"], r["ddtree_tau"], marker="o", color=color, label=f"{e['label']} DDTree")
         ax.axhline(r["tau"], color=color, linestyle="--", linewidth=1, label=f"{e['label']} chain")
+        sampled = r.get("sampling")
+        if sampled:
+            t, ex, me = sampled["temperature"], sampled["expected"], sampled["measured"]
+            name = f"{e['label']} T={t:g}"
+            ax.plot(ex["budgets"], ex["ddtree_tau"], ":s", color=color, label=f"{name} DDTree expected")
+            ax.axhline(ex["tau"], color=color, linestyle=":", linewidth=1, label=f"{name} chain expected")
+            if me["ddtree"]:
+                ax.errorbar(
+                    me["budgets"],
+                    [m["tau"] for m in me["ddtree"]],
+                    yerr=[m["stderr"] or 0 for m in me["ddtree"]],
+                    fmt="-.x",
+                    color=color,
+                    label=f"{name} DDTree measured",
+                )
+            if me["chain"]["tau"] is not None:
+                ax.axhline(me["chain"]["tau"], color=color, linestyle="-.", linewidth=1, label=f"{name} chain measured")
     budgets = sorted({bud for e in entries for bud in e["report"]["budgets"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets, [str(bud) for bud in budgets])
     ax.set_xlabel("DDTree budget (nodes)")
     ax.set_ylabel("tau (tokens per target pass)")
-    ax.set_title("Acceptance length: DDTree vs chain")
+    ax.set_title("Acceptance length: DDTree vs chain (greedy; sampled where given)")
     ax.grid(alpha=0.3)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
@@ -173,11 +195,18 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..config import write_resolved_config
     from ..data.documents import load_documents
     from ..data.packing import pack_documents
+    from ..inference.regenerate import eos_ids
     from ..model.loading import load_target, load_target_config
     from ..model.target import TargetModel
     from ..training.checkpoint import load_drafter
 
     budgets = check_budgets(_parse_positive_ints(args.budgets, "--budgets"))
+    if args.temperature < 0:
+        raise EvalInputError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise EvalInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    sample_prompts = _parse_positive_int(args.sample_prompts, "--sample-prompts")
+    max_new_tokens = _parse_positive_int(args.max_new_tokens, "--max-new-tokens")
     max_blocks = _parse_positive_int(args.max_blocks_per_row, "--max-blocks-per-row")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -227,6 +256,27 @@ def run_eval(args: argparse.Namespace) -> int:
             attention_backend=cfg.drafter.attention_backend,
         )
         print(f"{label}: chain tau {report['tau']:.3f} over {report['blocks']} blocks", flush=True)
+        if args.temperature > 0:
+            report["sampling"] = _sampled_report(
+                target,
+                drafter,
+                rows,
+                eos_ids(model, tokenizer),
+                budgets=budgets,
+                max_blocks=max_blocks,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                sample_prompts=sample_prompts,
+                max_new_tokens=max_new_tokens,
+                seed=args.seed,
+                attention_backend=cfg.drafter.attention_backend,
+            )
+            ex, me = report["sampling"]["expected"], report["sampling"]["measured"]
+            print(
+                f"{label}: T={args.temperature:g} chain tau expected {ex['tau']:.3f}, measured "
+                f"{me['chain']['tau']:.3f} +- {me['chain']['stderr']:.3f} ({me['chain']['rounds']} rounds)",
+                flush=True,
+            )
         entries.append(
             {
                 "label": label,
@@ -258,6 +308,54 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampled_report(
+    target,
+    drafter,
+    rows,
+    eos,
+    *,
+    budgets,
+    max_blocks,
+    temperature,
+    top_p,
+    sample_prompts,
+    max_new_tokens,
+    seed,
+    attention_backend,
+) -> dict:
+    """tau(T) both ways: expected along the held-out responses, measured by real speculative sampling
+    from the first ``sample_prompts`` documents' prompts."""
+    from ..inference.sampled_acceptance import (
+        document_prompts,
+        expected_sampled_acceptance,
+        measured_sampled_acceptance,
+    )
+
+    expected = expected_sampled_acceptance(
+        target,
+        drafter,
+        rows,
+        temperature=temperature,
+        top_p=top_p,
+        budgets=budgets,
+        max_blocks_per_row=max_blocks,
+        seed=seed,
+        attention_backend=attention_backend,
+    )
+    measured = measured_sampled_acceptance(
+        target,
+        drafter,
+        document_prompts(rows, sample_prompts),
+        eos,
+        temperature=temperature,
+        top_p=top_p,
+        budgets=budgets,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    return {"temperature": temperature, "top_p": top_p, "expected": expected, "measured": measured}
+
+
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eval`` on the main CLI's sub-parsers; its ``func`` is ``run_eval``."""
     p = subparsers.add_parser(
@@ -284,6 +382,28 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-blocks-per-row", default="64", metavar="N", help="blocks sampled per packed row (default 64)")
     p.add_argument("--seed", type=int, default=1234, help="anchor sampling seed (default 1234)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="also report tau(T) under speculative sampling, expected and measured (default 0: greedy only)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling with --temperature (default 1)"
+    )
+    p.add_argument(
+        "--sample-prompts",
+        default="8",
+        metavar="N",
+        help="documents whose prompts are decoded by real speculative sampling (default 8)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        default="128",
+        metavar="N",
+        help="tokens sampled per prompt for the measured tau (default 128)",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     add_config_args(
         p,

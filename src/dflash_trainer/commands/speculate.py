@@ -2,9 +2,12 @@
 
     dflash-train speculate --drafter CKPT --input prompts.jsonl --output out.jsonl [--mode chain|ddtree]
                            [--budget N ...] [--max-new-tokens N] [--limit N]
+                           [--temperature T] [--top-p P] [--seed S]
 
 Each prompt (the conversation up to its first assistant turn) is decoded greedily by the target alone
-and speculatively (``inference.speculative``); the outputs must agree token for token. Writes
+and speculatively (``inference.speculative``); the outputs must agree token for token. With
+``--temperature T > 0`` both sample instead (speculative sampling, ``inference.sampling``: lossless in
+distribution, so the outputs are not compared token for token; prompt i uses seed ``S + i``). Writes
 ``OUT`` (one record per prompt: text, tau per mode) and ``OUT.report.json`` (tau, tokens/s, speedup,
 mismatches per mode), both atomically.
 """
@@ -26,7 +29,8 @@ def run_speculate(args: argparse.Namespace) -> int:
     from ..config import TargetConfig
     from ..data.records import Record, iter_records
     from ..inference.regenerate import eos_ids
-    from ..inference.speculative import SpeculativeDecoder, target_greedy
+    from ..inference.sampling import verification_policy
+    from ..inference.speculative import SpeculativeDecoder, target_greedy, target_sample
     from ..model.loading import load_target_model
     from ..training.checkpoint import load_drafter, read_checkpoint_config
 
@@ -34,6 +38,11 @@ def run_speculate(args: argparse.Namespace) -> int:
     budgets = args.budget or [64]
     if any(b < 1 for b in budgets):
         raise UserError(f"--budget must be >= 1, got {min(budgets)}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    sampling = args.temperature > 0
     meta = read_checkpoint_config(args.drafter)
     target_cfg = (
         cfg.target
@@ -65,14 +74,18 @@ def run_speculate(args: argparse.Namespace) -> int:
         for name in ["target"] + [m if b is None else f"{m}-{b}" for m, b in modes]
     }
     outputs = []
-    for source, ids in prompts:
-        ref, secs = target_greedy(model, ids, args.max_new_tokens, eos)
+    for i, (source, ids) in enumerate(prompts):
+        if sampling:
+            ref, secs = target_sample(model, ids, args.max_new_tokens, eos, args.temperature, args.top_p, args.seed + i)
+        else:
+            ref, secs = target_greedy(model, ids, args.max_new_tokens, eos)
         totals["target"]["tokens"] += len(ref)
         totals["target"]["seconds"] += secs
         record = {"source": source, "target_tokens": len(ref), "text": tok.decode(ref, skip_special_tokens=True)}
         for mode, budget in modes:
             name = mode if budget is None else f"{mode}-{budget}"
-            res = decoder.generate(ids, args.max_new_tokens, mode, budget=budget or 1)
+            policy = verification_policy(args.temperature, args.top_p, args.seed + i)
+            res = decoder.generate(ids, args.max_new_tokens, mode, budget=budget or 1, policy=policy)
             t = totals[name]
             t["tokens"] += len(res.tokens)
             t["seconds"] += res.seconds
@@ -80,15 +93,21 @@ def run_speculate(args: argparse.Namespace) -> int:
             t["accepted"] += sum(a + 1 for a in res.accepted)
             t["mismatches"] += int(res.tokens != ref)
             record[f"{name}_tau"] = res.tau
+            if sampling:
+                record[f"{name}_text"] = tok.decode(res.tokens, skip_special_tokens=True)
         outputs.append(record)
     base_rate = totals["target"]["tokens"] / totals["target"]["seconds"]
     summary = {
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "target_tokens_per_s": base_rate,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
         "modes": {},
     }
-    print(f"{len(prompts)} prompts, target-only greedy: {base_rate:.1f} tokens/s")
+    how = f"sampling at T={args.temperature:g}, top-p {args.top_p:g}" if sampling else "greedy"
+    print(f"{len(prompts)} prompts, target-only {how}: {base_rate:.1f} tokens/s")
     for name, t in totals.items():
         if name == "target":
             continue
@@ -97,13 +116,12 @@ def run_speculate(args: argparse.Namespace) -> int:
             "tau": t["accepted"] / max(1, t["rounds"]),
             "tokens_per_s": rate,
             "speedup": rate / base_rate,
-            "mismatches": t["mismatches"],
+            # sampled outputs are compared in distribution (tests), not token for token
+            "mismatches": None if sampling else t["mismatches"],
         }
         s = summary["modes"][name]
-        print(
-            f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x, "
-            f"outputs differing from target greedy: {t['mismatches']}"
-        )
+        agreement = "" if sampling else f", outputs differing from target greedy: {t['mismatches']}"
+        print(f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x{agreement}")
     out = Path(args.output)
     atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in outputs))
     report = atomic_write_json(out.with_name(out.name + ".report.json"), summary)
@@ -123,7 +141,9 @@ def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
         "speculate",
         help="speculative decoding with a drafter (chain or DDTree), checked against the target alone",
         description="Decode each prompt greedily with the target alone and speculatively with --drafter; check "
-        "that the outputs agree token for token and report tau, tokens/s and the speedup.",
+        "that the outputs agree token for token and report tau, tokens/s and the speedup. With --temperature T > 0 "
+        "both sample instead (speculative sampling: the drafts are the drafter's, the target samples every verified "
+        "position and the walk follows its samples, so the output is distributed as the target's own sampling).",
     )
     add_config_args(
         p,
@@ -150,5 +170,14 @@ def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per prompt (default 256)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N prompts")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 (default): greedy, checked token for token; T > 0: speculative sampling, lossless in distribution",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling with T > 0 (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default 0)")
     p.set_defaults(func=run_speculate)
     return p

@@ -1,4 +1,4 @@
-"""Real speculative decoding, greedy: the target verifies the drafter's block as a chain or a DDTree.
+"""Real speculative decoding, greedy or sampled: the target verifies the drafter's block as a chain or a DDTree.
 
 One round, with the target's KV cache holding every accepted token before the anchor:
 
@@ -16,6 +16,9 @@ sliding layers are cropped/compacted from the end, and recurrent (hybrid) target
 snapshot + replay, with trees verified as one chain per root-to-leaf path.
 
 The output is token-for-token the target's plain greedy decoding (tested); tau = mean(accepted+1).
+With a ``SampledVerification`` policy (``inference.sampling``) the target samples its token at every
+verified position instead of taking its argmax, and the walk follows its samples: the output is then
+distributed exactly as sampling from the target alone (tested statistically).
 Batch size 1. The full-vocabulary head runs on verified positions only, never on the whole prompt.
 """
 
@@ -30,6 +33,7 @@ from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetModel
 from .ddtree import build_tree
+from .sampling import GreedyVerification
 from .target_cache import TargetCache, root_to_leaf_paths
 
 
@@ -46,7 +50,7 @@ class DecodeResult:
 
 
 class SpeculativeDecoder:
-    """Greedy speculative decoding of ``target`` with ``drafter`` (chain or DDTree verification)."""
+    """Speculative decoding of ``target`` with ``drafter`` (chain or DDTree verification), greedy or sampled."""
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter, eos_ids: list[int]):
         self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
@@ -89,8 +93,11 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64
+        self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64, policy=None
     ) -> DecodeResult:
+        """Decode ``prompt_ids``; ``policy`` (``inference.sampling``) picks the target's tokens:
+        greedy by default, ``SampledVerification(T, top_p, seed)`` for lossless speculative sampling."""
+        policy = policy or GreedyVerification()
         if mode not in ("chain", "ddtree"):
             raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
         if not prompt_ids:
@@ -103,16 +110,18 @@ class SpeculativeDecoder:
         cache.commit(len(prompt_ids))
         drafter_cache = self._extend_context(None, context, 0)
         pos = len(prompt_ids)  # == tokens in the target's cache == the anchor's position
-        anchor = int(logits[-1].argmax())
+        anchor = policy.rows(logits[-1:])(0, [])
         result = DecodeResult(tokens=[anchor])
         while len(result.tokens) < max_new_tokens and anchor not in self.eos:
             log_probs = self._draft_log_probs(anchor, pos, drafter_cache)
             if mode == "chain":
-                accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache)
+                accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache, policy)
             elif cache.recurrent:
-                accepted, bonus, feats = self._verify_tree_paths(anchor, pos, build_tree(log_probs, budget), cache)
+                accepted, bonus, feats = self._verify_tree_paths(
+                    anchor, pos, build_tree(log_probs, budget), cache, policy
+                )
             else:
-                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache)
+                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache, policy)
             drafter_cache = self._extend_context(drafter_cache, feats, pos)
             result.accepted.append(len(accepted))
             result.anchors.append(pos)
@@ -127,17 +136,15 @@ class SpeculativeDecoder:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache: TargetCache):
+    def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache: TargetCache, policy=None):
         fed = [anchor, *drafts]
         cache.save()
         logits, feats = self._forward(fed, torch.arange(pos, pos + len(fed)), cache.cache)
-        greedy = logits.argmax(-1).tolist()  # greedy[i] follows position pos + i
-        n = 0
-        while n < len(drafts) and drafts[n] == greedy[n]:
-            n += 1
+        # the target's token after position pos + i: its argmax, or its sample (policy)
+        n, bonus = walk_chain(drafts, (policy or GreedyVerification()).rows(logits))
         if cache.keep_prefix(len(fed), n + 1):  # keep the anchor and the accepted drafts
             feats = self._replay(fed[: n + 1], pos, cache)
-        return drafts[:n], greedy[n], feats[: n + 1]
+        return drafts[:n], bonus, feats[: n + 1]
 
     def _replay(self, tokens: list[int], pos: int, cache: TargetCache) -> torch.Tensor:
         """Run the accepted ``tokens`` on a rolled-back recurrent cache: their exact states and features."""
@@ -145,17 +152,17 @@ class SpeculativeDecoder:
         cache.commit(len(tokens))
         return feats
 
-    def _verify_tree(self, anchor: int, pos: int, tree, cache: TargetCache):
+    def _verify_tree(self, anchor: int, pos: int, tree, cache: TargetCache, policy=None):
         """One forward over the whole tree with an ancestor mask (attention-only targets)."""
         depths = torch.tensor([0, *tree.depths])
         mask = cache.tree_mask(pos, tree, self.model.dtype, self.model.device)
         logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache.cache, mask=mask)
-        greedy = logits.argmax(-1).tolist()  # greedy[0]: after the anchor; greedy[1 + i]: after node i
-        path, nxt = _walk(tree, greedy[0], lambda node: greedy[1 + node])
+        # row 0: after the anchor; row 1 + i: after node i, under its ancestors
+        path, nxt = walk_tree(tree, (policy or GreedyVerification()).rows(logits))
         cache.keep_tree_path(len(tree), path)
         return [tree.tokens[i] for i in path], nxt, feats[[0, *(1 + i for i in path)]]
 
-    def _verify_tree_paths(self, anchor: int, pos: int, tree, cache: TargetCache):
+    def _verify_tree_paths(self, anchor: int, pos: int, tree, cache: TargetCache, policy=None):
         """Recurrent (hybrid) targets: each root-to-leaf path verified as its own chain, all paths in one
         batch over copies of the state, so every node's logits are those of its path run alone; then the
         accepted tokens are replayed on the rolled-back state."""
@@ -173,26 +180,45 @@ class SpeculativeDecoder:
             use_cache=True,
             **{self._cache_kwarg: cache.cache},
         )
-        greedy = out.logits.argmax(-1).tolist()  # [paths][width]
         cache.collapse(width)
-        after = {}  # node -> the target's next token on its own path
-        for p, path in enumerate(paths):
-            for depth, node in enumerate(path, start=1):
-                after.setdefault(node, greedy[p][depth])
-        path, nxt = _walk(tree, greedy[0][0], after.__getitem__)
+        # row 0: after the anchor; row 1 + i: after node i on (the first of) its own path(s)
+        rows_of = torch.zeros(1 + len(tree), dtype=torch.long)
+        path_of = torch.zeros(1 + len(tree), dtype=torch.long)
+        for p, nodes in reversed(list(enumerate(paths))):
+            for depth, node in enumerate(nodes, start=1):
+                path_of[1 + node], rows_of[1 + node] = p, depth
+        logits = out.logits[path_of.to(dev), rows_of.to(dev)]  # [1 + nodes, V]
+        path, nxt = walk_tree(tree, (policy or GreedyVerification()).rows(logits))
         feats = self._replay([anchor, *(tree.tokens[i] for i in path)], pos, cache)
         return [tree.tokens[i] for i in path], nxt, feats
 
 
-def _walk(tree, first: int, next_after):
-    """Follow the target's greedy tokens through ``tree``: ``(accepted node path, bonus token)``."""
+def walk_chain(drafts: list[int], pick) -> tuple[int, int]:
+    """Accept drafts while each equals the target's token at its position: ``pick(i, candidates)`` is
+    the target's token after position ``pos + i`` (row i of the chain's verification logits).
+    Returns ``(accepted, bonus)``."""
+    n, token = 0, pick(0, drafts[:1])
+    while n < len(drafts) and drafts[n] == token:
+        n += 1
+        token = pick(n, drafts[n : n + 1])
+    return n, token
+
+
+def walk_tree(tree, pick) -> tuple[list[int], int]:
+    """Follow the target's tokens down ``tree``: ``pick(0, ...)`` is the target's token after the
+    anchor, ``pick(1 + i, ...)`` after node i (under node i's ancestors). Returns ``(path, bonus)``,
+    the accepted nodes and the first token no child matches."""
     children = tree.children()
-    node, path, nxt = -1, [], first
-    while (node, nxt) in children:
-        node = children[(node, nxt)]
+    offspring: dict[int, list[int]] = {}
+    for (parent, token), _ in children.items():
+        offspring.setdefault(parent, []).append(token)
+    node, path = -1, []
+    token = pick(0, offspring.get(-1, []))
+    while (node, token) in children:
+        node = children[(node, token)]
         path.append(node)
-        nxt = next_after(node)
-    return path, nxt
+        token = pick(1 + node, offspring.get(node, []))
+    return path, token
 
 
 @torch.no_grad()
@@ -210,6 +236,37 @@ def target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: li
         top_k=None,
         top_p=None,
     )
+    tokens = out[0, len(prompt_ids) :].tolist()
+    for i, tok in enumerate(tokens):
+        if tok in set(eos_ids):
+            tokens = tokens[: i + 1]
+            break
+    return tokens, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def target_sample(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int], temperature: float, top_p: float, seed: int
+) -> tuple[list[int], float]:
+    """Plain sampling with the target alone (Hugging Face ``generate``, ``do_sample``, no top-k):
+    ``(tokens, seconds)``; the baseline speculative sampling is timed against. Seeded through a
+    forked global RNG, so the caller's random state is left alone."""
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt_ids], device=model.device)
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            eos_token_id=list(eos_ids),
+            pad_token_id=list(eos_ids)[0],
+        )
     tokens = out[0, len(prompt_ids) :].tolist()
     for i, tok in enumerate(tokens):
         if tok in set(eos_ids):
