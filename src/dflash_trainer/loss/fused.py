@@ -362,12 +362,15 @@ def _run_chunks(
     loss_main = torch.zeros((), dtype=torch.float64, device=dev)
     cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
     c_max, vocab = min(chunk, n), weight.shape[0]
-    if compiled is None:
-        needed = (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0))
-        buffers = {name: torch.empty(c_max, vocab, dtype=f, device=dev) for name, need in needed if need}
-    else:  # raw GEMM outputs and G, all in the head's dtype: the epilogue upcasts as it reads
-        needed = (("zs", True), ("zt", ht is not None), ("g", want_grad))
-        buffers = {name: torch.empty(c_max, vocab, dtype=weight.dtype, device=dev) for name, need in needed if need}
+
+    def chunk_buffers(for_compiled: bool) -> dict[str, torch.Tensor]:
+        if for_compiled:  # raw GEMM outputs and G, all in the head's dtype: the kernel upcasts as it reads
+            needed, dtype = (("zs", True), ("zt", ht is not None), ("g", want_grad)), weight.dtype
+        else:
+            needed, dtype = (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0)), f
+        return {name: torch.empty(c_max, vocab, dtype=dtype, device=dev) for name, need in needed if need}
+
+    buffers = chunk_buffers(compiled is not None)
 
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
@@ -379,11 +382,9 @@ def _run_chunks(
         dh_rows = dh[rows] if want_grad else None
         args = (hs[rows], ht_rows, weight, y_data, coef, t, {k: b[:c] for k, b in buffers.items()}, dh_rows)
         out = _compiled_chunk(compiled, *args) if compiled is not None else None
-        if out is None:  # eager passes (also where compiling failed: the buffers then are still usable)
+        if out is None:  # the eager passes; from here on also where the kernel failed to compile
             if compiled is not None:
-                compiled = None
-                needed = (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0))
-                buffers = {name: torch.empty(c_max, vocab, dtype=f, device=dev) for name, need in needed if need}
+                compiled, buffers = None, chunk_buffers(False)
                 args = (*args[:6], {k: b[:c] for k, b in buffers.items()}, dh_rows)
             out = _eager_chunk(*args)
         lse, z_y, s_arg, t_arg, entropy, kl, logits_of = out
