@@ -12,6 +12,14 @@ Inputs are fp32 on the CPU. GEMM efficiency is
 6NHV / time divided by the FLOP/s of a plain ``torch.mm`` of the chunk's shape, measured in the same
 run. Loss terms: CE blended with 15% soft KL (T=1), the terms all three implement; the fused loss is
 also run with CAP on (the ddtree-experiment terms).
+
+GEMM-floor efficiency (``--efficiency``, fp32 and bf16, first shape): in ONE process, the GEMM
+floor and each implementation run interleaved, repeated, the order rotating each repetition. The
+floor is the wall time of the three GEMMs any exact implementation must do, at the same chunk size
+and dtype: per chunk of c rows ``[c,H]x[H,V]`` (student logits), ``[c,H]x[H,V]`` (teacher logits),
+``[c,V]x[V,H]`` (dh = G W), by ``torch.mm`` into preallocated outputs. Efficiency = floor time /
+implementation's forward+backward time, the median over repetitions of the per-repetition ratio
+(the machine is shared; interleaving puts both under the same load).
 """
 
 from __future__ import annotations
@@ -149,12 +157,173 @@ def run_worker(variant: str, n: int, h: int, v: int, reps: int, timeout: int) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, reps: int, variants) -> list[dict]:
+    """Floor and implementations interleaved in this process; one row per implementation."""
+    from dflash_trainer.loss import fused, fused_draft_loss, reference_draft_loss
+
+    torch.set_num_threads(threads)
+    hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(n, h, v))
+    hs = hs.detach().requires_grad_()
+    x_c, z_c, dh_c = (
+        torch.randn(CHUNK, h, dtype=dtype),
+        torch.empty(CHUNK, v, dtype=dtype),
+        torch.empty(CHUNK, h, dtype=dtype),
+    )
+
+    def floor():
+        for _ in range(0, n, CHUNK):
+            torch.mm(x_c, w_head.T, out=z_c)  # student logits
+            torch.mm(x_c, w_head.T, out=z_c)  # teacher logits
+            torch.mm(z_c, w_head, out=dh_c)  # dh = G @ W
+
+    def make(variant):
+        if variant.startswith("fused"):
+            compiled = variant == "fused (compiled)"
+
+            def step():
+                loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=CHUNK, compile=compiled, **TERMS)
+                loss.backward()
+        elif variant == "reference":
+
+            def step():
+                loss, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **TERMS)
+                loss.backward()
+        elif variant == "liger":
+            from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+            fn = LigerFusedLinearJSDLoss(
+                weight_hard_loss=1 - TERMS["kl_weight"],
+                weight_soft_loss=TERMS["kl_weight"],
+                beta=0.0,
+                temperature=TERMS["temperature"],
+                compiled=False,
+                chunk_size=CHUNK,
+            )
+
+            def step():
+                fn(hs, w_head, ht, w_head, labels).backward()
+        else:
+            raise ValueError(variant)
+
+        def timed():
+            hs.grad = None
+            step()
+
+        return timed
+
+    runs = {"floor": floor, **{name: make(name) for name in variants}}
+    compile_before = dict(fused.COMPILE_SECONDS)
+    warmup = {}
+    for name, fn in runs.items():  # warm-up; the compiled variant compiles here, once for this shape
+        t0 = time.perf_counter()
+        fn()
+        warmup[name] = time.perf_counter() - t0
+    compile_s = sum(sec for key, sec in fused.COMPILE_SECONDS.items() if compile_before.get(key) != sec)
+    times = {name: [] for name in runs}
+    names = list(runs)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate the order
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    rows = []
+    for name in variants:
+        ratios = [f / t for f, t in zip(times["floor"], times[name])]
+        row = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "threads": threads,
+            "N": n,
+            "H": h,
+            "V": v,
+            "variant": name,
+            "floor_s": statistics.median(times["floor"]),
+            "time_s": statistics.median(times[name]),
+            "efficiency": statistics.median(ratios),
+            "efficiency_min_max": [min(ratios), max(ratios)],
+            "reps": reps,
+            "floor_gflops": 6 * n * h * v / statistics.median(times["floor"]) / 1e9,
+        }
+        if name == "fused (compiled)":
+            row["compile_s"] = compile_s
+            row["first_call_s"] = warmup[name]
+        rows.append(row)
+        print("   ", row, flush=True)
+    return rows
+
+
+def run_efficiency(threads_list: list[int], reps: int, variants: list[str]) -> None:
+    n, h, v = SHAPES[0]
+    rows = []
+    for threads in threads_list:
+        for dtype in (torch.float32, torch.bfloat16):
+            print(f"efficiency {dtype} threads={threads} ...", flush=True)
+            rows += efficiency_rows(dtype, n, h, v, threads, reps, variants)
+    meta = {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "chunk": CHUNK,
+        "terms": TERMS,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_1min_at_end": os.getloadavg()[0],
+        "command": "python benchmarks/bench_loss.py --efficiency --threads "
+        + " ".join(map(str, threads_list))
+        + f" --reps {reps}",
+        "definition": (
+            "efficiency = floor / fwd+bwd time, median over repetitions of the per-repetition ratio; floor = "
+            "wall time of the three GEMMs per chunk of c rows that any exact implementation does ([c,H]x[H,V] "
+            "student logits, [c,H]x[H,V] teacher logits, [c,V]x[V,H] dh = G W) by torch.mm into preallocated "
+            "outputs, same dtype, chunk and threads, in the same process, interleaved with the implementation "
+            "(order rotating each repetition)"
+        ),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "loss_efficiency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (RESULTS / "loss_efficiency.md").write_text(efficiency_markdown(rows, meta))
+    print(efficiency_markdown(rows, meta))
+
+
+def efficiency_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# Draft loss at its GEMM floor ({meta['date']}, {meta['cpus']} CPUs, torch {meta['torch']})",
+        "",
+        f"`{meta['command']}`; N={rows[0]['N']} H={rows[0]['H']} V={rows[0]['V']}, chunk {meta['chunk']} rows, "
+        f"CE + 15% KL (T=1), forward + backward. Load average (1 min) at the end: "
+        f"{meta['load_average_1min_at_end']:.1f} on {meta['cpus']} CPUs.",
+        "",
+        f"Definition: {meta['definition']}.",
+        "",
+        "| dtype | threads | variant | floor s | fwd+bwd s | efficiency (median) | min-max over reps | compile s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        comp = f"{r['compile_s']:.1f}" if "compile_s" in r else ""
+        lo, hi = r["efficiency_min_max"]
+        lines.append(
+            f"| {r['dtype']} | {r['threads']} | {r['variant']} | {r['floor_s']:.3f} | {r['time_s']:.3f} | "
+            f"{r['efficiency']:.0%} | {lo:.0%}-{hi:.0%} | {comp} |"
+        )
+    lines += ["", "Targets (issue 18): fused >= 85% in fp32 and >= 70% in bf16."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=5, metavar=("VARIANT", "N", "H", "V", "REPS"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--render", action="store_true", help="only re-render results/loss.md from results/loss.json")
+    parser.add_argument("--efficiency", action="store_true", help="only the GEMM-floor efficiency (fp32 and bf16)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[2], help="thread counts for --efficiency")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions for --efficiency")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fused (compiled)", "fused (eager)", "reference", "liger"],
+        help="implementations for --efficiency",
+    )
     args = parser.parse_args()
+    if args.efficiency:
+        run_efficiency(args.threads, args.reps, args.variants)
+        return
     if args.render:
         render(RESULTS / "loss.json")
         return

@@ -7,6 +7,7 @@ import sys
 
 from dflash_trainer.config import load_config
 from dflash_trainer.training.checkpoint import verify_checkpoint
+from dflash_trainer.training.precision import preferred_train_dtype
 
 
 def test_demo_end_to_end(tmp_path):
@@ -40,6 +41,8 @@ def test_demo_end_to_end(tmp_path):
     assert "[5/5] trained" in result.stdout and "dflash-train export --format zlab" in result.stdout
     cfg = load_config([str(out / "run.yaml")])
     assert cfg.train.max_steps == 12 and cfg.data.train_files == [str(out / "train.jsonl")]
+    # bf16 autocast where this CPU has bf16 GEMMs, fp32 elsewhere; recorded in run.yaml
+    assert cfg.train.dtype == preferred_train_dtype("cpu") and f"train.dtype={cfg.train.dtype}" in result.stdout
     summary = json.loads((out / "demo.json").read_text())
     assert summary["records"]["train"] > 20 and summary["records"]["eval"] > 2
     assert 1.0 <= summary["tau_before"]["tau"] <= cfg.drafter.block_size

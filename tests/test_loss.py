@@ -1,12 +1,20 @@
 """The fused draft loss against the plain reference (float64), chunking, autograd and memory."""
 
 import math
+import warnings
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_trainer.loss import chunk_rows, dpace_slot_weights, fused_draft_loss, reference_draft_loss, slot_weights
+from dflash_trainer.loss import (
+    chunk_rows,
+    dpace_slot_weights,
+    fused,
+    fused_draft_loss,
+    reference_draft_loss,
+    slot_weights,
+)
 
 F64 = torch.float64
 
@@ -39,11 +47,15 @@ TERMS = {
 }
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("name", list(TERMS))
-def test_matches_reference_float64(name):
+def test_matches_reference_float64(name, compiled):
     kw = TERMS[name]
     hs, ht, w_head, labels, weights, _ = make_inputs()
-    loss, metrics = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, metrics = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, compile=compiled, **kw)
+    assert not [w for w in caught if "did not compile" in str(w.message)]  # the compiled kernel really ran
     (grad,) = torch.autograd.grad(loss, hs)
     ref_loss, ref_metrics = reference_draft_loss(hs, ht, w_head, labels, weights, **kw)
     (ref_grad,) = torch.autograd.grad(ref_loss, hs)
@@ -66,6 +78,54 @@ def test_chunk_invariance(chunk):
     (grad,) = torch.autograd.grad(loss, hs)
     assert abs(loss.item() - base.item()) < 1e-12
     assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_compiled_matches_eager_across_chunkings(chunk):
+    """One compiled kernel serves every chunk length (the last chunk, compacted rows; 1 row specializes)."""
+    hs, ht, w_head, labels, weights, slots = make_inputs(n=29)
+    kw = dict(TERMS["combined_T"], slot_ids=slots, num_slots=5)
+    base, base_m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=29, compile=False, **kw)
+    (base_grad,) = torch.autograd.grad(base, hs)
+    loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=True, **kw)
+    (grad,) = torch.autograd.grad(loss, hs)
+    assert abs(loss.item() - base.item()) < 1e-12
+    assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
+    assert torch.allclose(m["per_slot"]["ce"], base_m["per_slot"]["ce"], rtol=0, atol=1e-12)
+    with torch.no_grad():  # inference: the kernel without its gradient pass
+        loss_ng, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=True, **kw)
+    assert abs(loss_ng.item() - base.item()) < 1e-12
+
+
+def test_a_failed_compile_falls_back_to_the_eager_passes():
+    """A C++ compiler that does not exist: the epilogue cannot build, the loss warns once and is still exact."""
+    kw = {"kl_weight": 0.25, "temperature": 1.37, "cap_weight": 0.2}  # terms no other test compiles
+    hs, ht, w_head, labels, weights, _ = make_inputs()
+    ref, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **kw)
+    (ref_grad,) = torch.autograd.grad(ref, hs)
+    from torch._inductor import config as inductor_config
+
+    with (
+        inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}),
+        pytest.warns(UserWarning, match="did not compile") as caught,
+    ):
+        loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, compile=True, **kw)
+        (grad,) = torch.autograd.grad(loss, hs)
+    assert len([w for w in caught if "did not compile" in str(w.message)]) == 1  # once, not per chunk
+    assert abs(loss.item() - ref.item()) < 1e-10
+    assert (grad - ref_grad).abs().max().item() < 1e-10
+    assert any("temperature=1.37" in key for key in fused._FAILED)
+
+
+def test_compile_policy(monkeypatch):
+    monkeypatch.delenv(fused.COMPILE_ENV, raising=False)
+    assert not fused.use_compiled("auto", 256 * 8192)  # the tiny demo's loss: a compile would not pay
+    assert fused.use_compiled("auto", 4096 * 32000)
+    assert fused.use_compiled(True, 10) and not fused.use_compiled(False, 10**9)
+    monkeypatch.setenv(fused.COMPILE_ENV, "0")
+    assert not fused.use_compiled("auto", 4096 * 32000)
+    monkeypatch.setenv(fused.COMPILE_ENV, "1")
+    assert fused.use_compiled("auto", 10)
 
 
 def test_grad_output_scaling_and_retain_graph():
@@ -111,13 +171,16 @@ def test_no_grad_does_no_gradient_work():
     assert rec.count("mm") == 1  # CE with data labels: the teacher GEMM is skipped
 
 
-def test_bf16_deviation_is_bounded():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_deviation_is_bounded(compiled):
     hs64, ht64, w64, labels, weights, _ = make_inputs(n=64, h=32, v=200)
     kw = TERMS["combined_T"]
     ref, _ = reference_draft_loss(hs64, ht64, w64, labels, weights, **kw)
     (ref_grad,) = torch.autograd.grad(ref, hs64)
     hs = hs64.detach().bfloat16().requires_grad_()
-    loss, _ = fused_draft_loss(hs, ht64.bfloat16(), w64.bfloat16(), labels, weights.bfloat16(), **kw)
+    loss, _ = fused_draft_loss(
+        hs, ht64.bfloat16(), w64.bfloat16(), labels, weights.bfloat16(), compile=compiled, chunk_size=24, **kw
+    )
     loss.backward()
     assert loss.dtype == torch.float32 and hs.grad.dtype == torch.bfloat16
     rel_loss = abs(loss.item() - ref.item()) / abs(ref.item())
@@ -197,9 +260,18 @@ def test_never_allocates_positions_by_vocab():
     w_head = torch.randn(v, h, generator=g) * 0.1
     labels = torch.randint(0, v, (n,), generator=g)
     weights = torch.ones(n)
-    with OpRecorder() as rec:
+    with OpRecorder() as rec:  # eager passes: a dispatch mode sees every op (compiled code runs chunk slices only)
         loss, _ = fused_draft_loss(
-            hs, ht, w_head, labels, weights, kl_weight=0.15, temperature=2.0, cap_weight=0.1, chunk_size=256
+            hs,
+            ht,
+            w_head,
+            labels,
+            weights,
+            kl_weight=0.15,
+            temperature=2.0,
+            cap_weight=0.1,
+            chunk_size=256,
+            compile=False,
         )
         loss.backward()
     assert rec.count("mm") >= 3 * (n // 256)  # the work really ran, chunk by chunk

@@ -223,3 +223,40 @@ def test_gradient_accumulation_averages_rows(tmp_path):
     out = trainer.train_step()
     assert trainer.c.rows_consumed == 3 and out["tokens"] == 3 * cfg.data.seq_len
     assert out["loss"] > 0 and math.isfinite(out["grad_norm"])
+
+
+def test_bf16_autocast_training_keeps_fp32_master_weights_and_tracks_fp32(tmp_path):
+    """train.dtype=bfloat16 on the CPU: autocast drafter, bf16 head GEMMs in the loss, fp32 weights,
+    gradients and optimizer states; the step's loss and gradient stay close to the fp32 step's."""
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    cfg32 = config(tmp_path, data, "loss.kl_weight=0.15", "loss.cap_weight=0.1", "train.dtype=float32")
+    cfg16 = cfg32.model_copy(update={"train": cfg32.train.model_copy(update={"dtype": "bfloat16"})})
+    target, tok, rows, eval_rows, _ = prepare(cfg32)
+    trainer = Trainer(cfg16, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
+    feats = produce_row_features(target, rows[0], 0, cfg32)
+    grads, values = {}, {}
+    for name, cfg in (("fp32", cfg32), ("bf16", cfg16)):
+        batch = drafter_step(trainer.drafter, feats, cfg, train=True)
+        loss, _ = draft_loss(trainer.drafter, batch, cfg)
+        (grads[name],) = torch.autograd.grad(loss, trainer.drafter.fc.weight)
+        values[name] = loss.item()
+    assert grads["bf16"].dtype == torch.float32
+    assert abs(values["bf16"] - values["fp32"]) < 0.02 * abs(values["fp32"])
+    rel = (grads["bf16"] - grads["fp32"]).norm() / grads["fp32"].norm()
+    assert 1e-4 < rel < 0.1, rel.item()  # bf16 really ran, and only rounds (8-bit mantissa)
+    first = trainer.train_step()["loss"]
+    for _ in range(11):
+        last = trainer.train_step()["loss"]
+    assert last < first - 0.3, (first, last)
+    assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters() if p.requires_grad)
+    states = [s for st in trainer.optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()]
+    assert states and all(s.dtype == torch.float32 for s in states)
+
+
+def test_preferred_train_dtype_follows_the_cpu():
+    from dflash_trainer.training.precision import cpu_has_bf16_gemm, preferred_train_dtype
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    native = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")) or " bf16" in flags
+    assert cpu_has_bf16_gemm() == native
+    assert preferred_train_dtype("cpu") == ("bfloat16" if native else "float32")

@@ -25,6 +25,7 @@ from ..inference.sampled_acceptance import chain_tau_both_ways
 from ..io import atomic_write_json, atomic_write_text
 from ..model.loading import load_target, resolve_target_path
 from ..tiny_target.corpus import load_split
+from ..training.precision import preferred_train_dtype
 from ..training.setup import prepare
 from ..training.trainer import Trainer
 
@@ -149,5 +150,13 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(resolve_config(args), max_new_tokens=args.max_new_tokens, prompts_per_file=args.prompts_per_file)
+    cfg = resolve_config(args)
+    if not any(o.split("=", 1)[0].strip() == "train.dtype" for o in args.overrides):
+        # The precision this CPU does well: bf16 autocast (fp32 master weights) where it has bf16 GEMMs.
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"dtype": preferred_train_dtype("cpu")})})
+        why = "this CPU has bf16 GEMMs" if cfg.train.dtype == "bfloat16" else "this CPU has no native bf16 GEMMs"
+    else:
+        why = "as set"
+    print(f"precision: train.dtype={cfg.train.dtype} ({why}; --set train.dtype=float32|bfloat16 to choose)")
+    run_demo(cfg, max_new_tokens=args.max_new_tokens, prompts_per_file=args.prompts_per_file)
     return 0

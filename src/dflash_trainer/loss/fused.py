@@ -15,10 +15,24 @@ global number of correct rows is only known after the last chunk) plus, per chun
 ``[c, V]`` buffers and one transient (four buffers with KL at T != 1): ``c*V*16`` to ``c*V*20``
 bytes, about the ``c*V*18`` of DESIGN.md; CAP's correct-row subset and a bf16 head's GEMM output
 reach ``c*V*26`` at worst. Softcap adds one transient in the gradient.
+
+Two implementations of a chunk's element-wise work, same math, tested equal in float64:
+
+- ``_eager_chunk``: separate eager passes (max, exp, sums, the gradient update in place), about a
+  dozen reads or writes of each ``[c, V]`` buffer.
+- ``_chunk_epilogue`` through ``torch.compile`` (inductor: generated C++ on CPU, Triton on GPU): the
+  GEMMs write raw logits in the head's dtype, one generated kernel reads them (upcasting as it reads)
+  in three passes and writes G in the head's dtype for the last GEMM. Buffers: ``c*V*12`` bytes with an
+  fp32 head, ``c*V*6`` with bf16, plus the same CAP subset. Compiled once per loss configuration,
+  dtype and vocabulary (``COMPILE_SECONDS`` records how long); where it cannot compile (no C++
+  compiler, say) it warns once and the eager passes run instead.
 """
 
 from __future__ import annotations
 
+import os
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +43,11 @@ import torch
 # log measured; the budget must hold in the worst case.
 BYTES_PER_CHUNK_ELEMENT = 26
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # 256 MiB of chunk workspace when neither chunk_size nor budget is given
+# compile="auto" compiles the chunk epilogue when the call has at least this many logits (N x V): a
+# compile costs 10-40 s once per configuration, which pays off at real vocabularies and batch sizes,
+# not on the tiny demo (256 x 8,192) or in unit tests.
+COMPILE_MIN_LOGITS = 2**24
+COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" override compile="auto"
 
 
 @dataclass(frozen=True)
@@ -88,17 +107,249 @@ def _chain_to_raw(g: torch.Tensor, z: torch.Tensor, t: LossTerms) -> torch.Tenso
     return g
 
 
+def _eager_chunk(hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows):
+    """One chunk in separate eager passes over fp32 (fp64) ``[c, V]`` buffers; writes ``G @ W`` into ``dh_rows``.
+
+    Returns ``(lse, z_y, s_arg, t_arg, entropy, kl, logits_of)``, all ``[c]`` but ``logits_of``, which
+    gives the transformed logits of some rows (valid until the next chunk). Live ``[c, V]`` buffers:
+    student logits ``zs``, student probabilities ``p`` (turned into the gradient in place), teacher
+    logits (turned into ``q`` in place), the tempered student log-probabilities when T != 1, and one
+    transient (logsumexp / entropy reductions).
+    """
+    a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
+    zs = _logits(hs_rows, weight, t, buffers["zs"])  # [c, V]
+    m_s, s_arg = zs.max(-1)  # one pass gives the shift for a stable softmax and the argmax
+    p = torch.sub(zs, m_s[:, None], out=buffers["p"]).exp_()
+    sum_s = p.sum(-1)
+    lse = m_s + sum_s.log()  # [c]
+    p.mul_(sum_s.reciprocal()[:, None])  # student probabilities
+    zt = _logits(ht_rows, weight, t, buffers["zt"]) if ht_rows is not None else None
+    t_arg = None
+    if zt is not None:
+        m_t, t_arg = zt.max(-1)
+    y = t_arg if t.label_source == "teacher" else y_data
+    if a == 0:
+        zt = None  # the teacher logits were only needed for labels and agreement
+    z_y = zs.gather(1, y[:, None]).squeeze(1)
+
+    # CAP statistic: entropy of softmax(z / Tc) (the mask `correct` carries no gradient).
+    if tc == 1.0:
+        entropy = lse - torch.linalg.vecdot(p, zs)
+    else:
+        pc = zs / tc
+        pc.sub_(torch.logsumexp(pc, -1, keepdim=True))  # log pc
+        entropy = -torch.linalg.vecdot(pc.exp(), pc)
+        del pc
+
+    # Soft KL at temperature T: KL(q^T || p^T) = sum q log q - sum q log p^T.
+    kl = torch.zeros_like(lse)
+    if a > 0:
+        u = zt.sub_(m_t[:, None])  # shifted teacher logits, in place
+        if temp != 1.0:
+            u.div_(temp)
+        q = torch.exp(u, out=buffers["q"])
+        sum_t = q.sum(-1)
+        neg_entropy_q = u.mul_(q).sum(-1) / sum_t - sum_t.log()  # u is not needed after this
+        q.mul_(sum_t.reciprocal()[:, None])  # teacher q^T
+        zt = u = None
+        if temp == 1.0:
+            log_pt = None
+            cross = torch.linalg.vecdot(q, zs) - lse
+        else:
+            log_pt = zs / temp
+            log_pt.sub_(torch.logsumexp(log_pt, -1, keepdim=True))
+            cross = torch.linalg.vecdot(q, log_pt)
+        kl = neg_entropy_q - cross
+
+    if dh_rows is not None:
+        # p becomes G in place: w [ (1-a)(p - e_y) + a T (p^T - q^T) ] / sum w
+        if a > 0 and temp == 1.0:  # p^T = p: G = coef (p - a q) - (1-a) coef e_y
+            p.mul_(coef[:, None]).addcmul_(q, coef[:, None], value=-a)
+        else:
+            p.mul_(((1 - a) * coef)[:, None])
+            if a > 0:
+                pt_minus_q = log_pt.exp_().sub_(q)
+                p.addcmul_(pt_minus_q, coef[:, None], value=a * temp)
+        p.scatter_add_(1, y[:, None], (-(1 - a) * coef)[:, None])
+        q = log_pt = pt_minus_q = None
+        _chain_to_raw(p, zs, t)
+        if weight.dtype == dh_rows.dtype:
+            torch.mm(p, weight, out=dh_rows)
+        else:
+            dh_rows.copy_(p.to(weight.dtype).matmul(weight))
+    return lse, z_y, s_arg, t_arg, entropy, kl, lambda idx: zs[idx]
+
+
+def _compiled_chunk(epilogue, hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows):
+    """One chunk with the compiled epilogue: the logit GEMMs in the head's dtype, one fused kernel for
+    everything element-wise (``_chunk_epilogue``), then ``G @ W``. Same returns as ``_eager_chunk``;
+    None if the epilogue failed to compile (the caller then runs the eager passes)."""
+    zs_raw = torch.mm(hs_rows, weight.T, out=buffers["zs"])  # [c, V] untransformed
+    zt_raw = torch.mm(ht_rows, weight.T, out=buffers["zt"]) if ht_rows is not None else None
+    g = buffers["g"] if dh_rows is not None else None
+    out = epilogue(zs_raw, zt_raw, y_data, coef, g, t)
+    if out is None:
+        return None
+    out = _row_terms(out, zs_raw, y_data, t)
+    if g is not None:
+        if weight.dtype == dh_rows.dtype:
+            torch.mm(g, weight, out=dh_rows)
+        else:
+            dh_rows.copy_(g @ weight)
+
+    def logits_of(idx):
+        return _transformed(zs_raw[idx].to(coef.dtype), t)
+
+    return (*out, logits_of)
+
+
+def _transformed(z: torch.Tensor, t: LossTerms) -> torch.Tensor:
+    """The target's logit transform (``loss.logits.transform_logits``), out of place."""
+    if t.logit_scale != 1.0:
+        z = z * t.logit_scale
+    if t.softcap:
+        z = t.softcap * torch.tanh(z / t.softcap)
+    return z
+
+
+def _chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
+    """Everything element-wise of one chunk, written for ``torch.compile`` to make one kernel of.
+
+    ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits in the head's dtype, ``y`` ``[c]`` data labels (None
+    with teacher labels), ``coef`` ``[c]`` = w / sum w in the compute dtype, ``g_out`` ``[c, V]``
+    (head dtype) receives G w.r.t. the raw logits, or None. Returns the row reductions ``[c]`` that
+    ``_row_terms`` turns into the loss terms (None where a term is off).
+
+    Shaped for the code generator: two reduction stages that depend only on the row maxima (so no
+    ``[c, V]`` intermediate is stored: each reads the logits again and recomputes its exponentials),
+    then the gradient pass; no per-row value is computed between them as a separate output, which
+    lets inductor run all three passes of a row in one loop while the row is in cache.
+    """
+    a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
+    zs = _transformed(zs_raw.to(coef.dtype), t)
+    m_s, s_arg = zs.max(-1)
+    e_s = torch.exp(zs - m_s[:, None])
+    sum_s, zsum_s = e_s.sum(-1), (e_s * zs).sum(-1)  # at Tc = 1, entropy = lse - zsum_s / sum_s
+    sum_c = zsum_c = m_t = t_arg = sum_t = usum_t = cross_t = sum_T = None
+    if tc != 1.0:
+        zc = zs / tc
+        e_c = torch.exp(zc - (m_s / tc)[:, None])
+        sum_c, zsum_c = e_c.sum(-1), (e_c * zc).sum(-1)
+    if zt_raw is not None:
+        zt = _transformed(zt_raw.to(coef.dtype), t)
+        m_t, t_arg = zt.max(-1)
+        if y is None:
+            y = t_arg
+        if a > 0:
+            u = (zt - m_t[:, None]) / temp  # shifted tempered teacher logits: q^T = exp(u) / sum_t
+            e_t = torch.exp(u)
+            zT = zs if temp == 1.0 else zs / temp
+            sum_t, usum_t, cross_t = e_t.sum(-1), (e_t * u).sum(-1), (e_t * zT).sum(-1)
+            if temp != 1.0:
+                sum_T = torch.exp(zT - (m_s / temp)[:, None]).sum(-1)
+    if g_out is not None:
+        # G = coef [ (1-a)(p - e_y) + a T (p^T - q^T) ], then the chain rule through the transform
+        is_label = torch.arange(zs.shape[1], device=zs.device)[None, :] == y[:, None]
+        lse = m_s + sum_s.log()
+        g = (1 - a) * (torch.exp(zs - lse[:, None]) - is_label.to(zs.dtype))
+        if a > 0:
+            lse_T = lse if temp == 1.0 else m_s / temp + sum_T.log()
+            q = torch.exp(u - sum_t.log()[:, None])
+            g = g + (a * temp) * (torch.exp(zT - lse_T[:, None]) - q)
+        g = g * coef[:, None]
+        if t.softcap:
+            g = g * (1 - (zs / t.softcap) ** 2)
+        if t.logit_scale != 1.0:
+            g = g * t.logit_scale
+        g_out.copy_(g)
+    return m_s, s_arg, sum_s, zsum_s, sum_c, zsum_c, m_t, t_arg, sum_t, usum_t, cross_t, sum_T
+
+
+def _row_terms(reductions, zs_raw, y, t: LossTerms):
+    """``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` from ``_chunk_epilogue``'s row reductions."""
+    m_s, s_arg, sum_s, zsum_s, sum_c, zsum_c, m_t, t_arg, sum_t, usum_t, cross_t, sum_T = reductions
+    temp, tc = t.temperature, t.cap_temperature
+    lse = m_s + sum_s.log()
+    if tc == 1.0:
+        entropy = lse - zsum_s / sum_s
+    else:
+        entropy = (m_s / tc + sum_c.log()) - zsum_c / sum_c
+    kl = torch.zeros_like(lse)
+    if sum_t is not None:  # KL = sum q log q - sum q log p^T
+        lse_T = lse if temp == 1.0 else m_s / temp + sum_T.log()
+        kl = (usum_t / sum_t - sum_t.log()) - (cross_t / sum_t - lse_T)
+    if y is None:
+        y = t_arg
+    z_y = _transformed(zs_raw.gather(1, y[:, None]).squeeze(1).to(lse.dtype), t)
+    return lse, z_y, s_arg, t_arg, entropy, kl
+
+
+# Seconds spent compiling the epilogue (tracing, code generation and the C++ or Triton build: the
+# calls that produced a new graph), keyed by a description of what was compiled; benchmarks report it.
+COMPILE_SECONDS: dict[str, float] = {}
+_FAILED: set[str] = set()
+_compiled_fn = None
+
+
+def _compiled_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
+    """``_chunk_epilogue`` through ``torch.compile`` (inductor: C++ on CPU, Triton on GPU), or None if
+    it cannot compile here (warned once per configuration; the caller falls back to the eager passes)."""
+    global _compiled_fn
+    key = (
+        f"{zs_raw.device.type} {str(zs_raw.dtype).removeprefix('torch.')} V={zs_raw.shape[1]} "
+        f"teacher={zt_raw is not None} grad={g_out is not None} {t}"
+    )
+    if key in _FAILED:
+        return None
+    try:
+        if _compiled_fn is None:
+            _compiled_fn = torch.compile(_chunk_epilogue, fullgraph=True)
+        for x in (zs_raw, zt_raw, y, coef, g_out):
+            if x is not None:  # one kernel for every chunk length (the last chunk, compacted rows)
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+        graphs, t0 = _graph_count(), time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=64):  # one entry per loss configuration
+            out = _compiled_fn(zs_raw, zt_raw, y, coef, g_out, t)
+        if _graph_count() > graphs:  # this call compiled (a new configuration, or chunks of 1 row)
+            COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
+        return out
+    except Exception as e:  # no C++ compiler, an inductor limitation, ...: today's eager passes
+        _FAILED.add(key)
+        warnings.warn(
+            f"fused_draft_loss: the chunk epilogue did not compile ({type(e).__name__}: {str(e)[:200]}); "
+            "using the eager passes",
+            stacklevel=2,
+        )
+        return None
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def use_compiled(compile: bool | str, logits: int) -> bool:
+    """Whether a call with ``logits`` = N x V logits runs the compiled epilogue: ``compile`` True/False,
+    or "auto": the environment's DFLASH_LOSS_COMPILE (0/1) if set, else ``logits >= COMPILE_MIN_LOGITS``."""
+    if compile == "auto":
+        env = os.environ.get(COMPILE_ENV, "")
+        if env in ("0", "1"):
+            return env == "1"
+        return logits >= COMPILE_MIN_LOGITS
+    return bool(compile)
+
+
 @torch.no_grad()
-def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTerms, chunk: int, want_grad: bool):
+def _run_chunks(
+    hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTerms, chunk: int, want_grad: bool, compiled
+):
     """The chunk loop. Inputs are already compacted to rows with weight > 0.
 
     Returns ``(loss, stats, dh)`` where ``stats`` is ``[num_slots or 1, 7]`` float64 sums of
     (rows, ce, kl, entropy of correct rows, correct, agreement, label probability) and ``dh``
-    ``[n, H]`` is the gradient of the loss w.r.t. ``hs`` (None unless ``want_grad``).
-
-    Live ``[c, V]`` buffers per chunk: student logits ``zs``, student probabilities ``p`` (turned into
-    the gradient in place), teacher logits (turned into ``q`` in place), the tempered student
-    log-probabilities when T != 1, and one transient (logsumexp / entropy reductions).
+    ``[n, H]`` is the gradient of the loss w.r.t. ``hs`` (None unless ``want_grad``). ``compiled``
+    is the compiled chunk epilogue to use (None: the eager passes of ``_eager_chunk``).
     """
     n, hidden = hs.shape
     f = torch.promote_types(hs.dtype, torch.float32)
@@ -111,96 +362,51 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
     loss_main = torch.zeros((), dtype=torch.float64, device=dev)
     cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
     c_max, vocab = min(chunk, n), weight.shape[0]
-    buffers = {
-        name: torch.empty(c_max, vocab, dtype=f, device=dev)
-        for name, needed in (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0))
-        if needed
-    }
+
+    def chunk_buffers(for_compiled: bool) -> dict[str, torch.Tensor]:
+        if for_compiled:  # raw GEMM outputs and G, all in the head's dtype: the kernel upcasts as it reads
+            needed, dtype = (("zs", True), ("zt", ht is not None), ("g", want_grad)), weight.dtype
+        else:
+            needed, dtype = (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0)), f
+        return {name: torch.empty(c_max, vocab, dtype=dtype, device=dev) for name, need in needed if need}
+
+    buffers = chunk_buffers(compiled is not None)
 
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        w = weights[rows].to(f)
         c = rows.stop - rows.start
-        zs = _logits(hs[rows], weight, t, buffers["zs"][:c])  # [c, V]
-        m_s, s_arg = zs.max(-1)  # one pass gives the shift for a stable softmax and the argmax
-        p = torch.sub(zs, m_s[:, None], out=buffers["p"][:c]).exp_()
-        sum_s = p.sum(-1)
-        lse = m_s + sum_s.log()  # [c]
-        p.mul_(sum_s.reciprocal()[:, None])  # student probabilities
-        zt = _logits(ht[rows], weight, t, buffers["zt"][:c]) if ht is not None else None
-        t_arg = None
-        if zt is not None:
-            m_t, t_arg = zt.max(-1)
-        y = t_arg if t.label_source == "teacher" else labels[rows]
-        if a == 0:
-            zt = None  # the teacher logits were only needed for labels and agreement
-        z_y = zs.gather(1, y[:, None]).squeeze(1)
+        w = weights[rows].to(f)
+        coef = w * inv_wsum  # [c] each row's share of the weighted mean
+        y_data = labels[rows] if t.label_source == "data" else None
+        ht_rows = ht[rows] if ht is not None else None
+        dh_rows = dh[rows] if want_grad else None
+        args = (hs[rows], ht_rows, weight, y_data, coef, t, {k: b[:c] for k, b in buffers.items()}, dh_rows)
+        out = _compiled_chunk(compiled, *args) if compiled is not None else None
+        if out is None:  # the eager passes; from here on also where the kernel failed to compile
+            if compiled is not None:
+                compiled, buffers = None, chunk_buffers(False)
+                args = (*args[:6], {k: b[:c] for k, b in buffers.items()}, dh_rows)
+            out = _eager_chunk(*args)
+        lse, z_y, s_arg, t_arg, entropy, kl, logits_of = out
+        y = t_arg if t.label_source == "teacher" else y_data
         ce = lse - z_y
         correct = s_arg == y
-
-        # CAP statistic: entropy of softmax(z / Tc) (the mask `correct` carries no gradient).
-        if tc == 1.0:
-            entropy = lse - torch.linalg.vecdot(p, zs)
-        else:
-            pc = zs / tc
-            pc.sub_(torch.logsumexp(pc, -1, keepdim=True))  # log pc
-            entropy = -torch.linalg.vecdot(pc.exp(), pc)
-            del pc
         cap_sum += entropy[correct].double().sum()
         n_correct += int(correct.sum())
-
-        # Soft KL at temperature T: KL(q^T || p^T) = sum q log q - sum q log p^T.
-        kl = torch.zeros_like(ce)
-        if a > 0:
-            u = zt.sub_(m_t[:, None])  # shifted teacher logits, in place
-            if temp != 1.0:
-                u.div_(temp)
-            q = torch.exp(u, out=buffers["q"][:c])
-            sum_t = q.sum(-1)
-            neg_entropy_q = u.mul_(q).sum(-1) / sum_t - sum_t.log()  # u is not needed after this
-            q.mul_(sum_t.reciprocal()[:, None])  # teacher q^T
-            zt = u = None
-            if temp == 1.0:
-                log_pt = None
-                cross = torch.linalg.vecdot(q, zs) - lse
-            else:
-                log_pt = zs / temp
-                log_pt.sub_(torch.logsumexp(log_pt, -1, keepdim=True))
-                cross = torch.linalg.vecdot(q, log_pt)
-            kl = neg_entropy_q - cross
         loss_main += (w * ((1 - a) * ce + a * temp**2 * kl)).double().sum() * inv_wsum
 
-        if want_grad:
-            # p becomes G in place: w [ (1-a)(p - e_y) + a T (p^T - q^T) ] / sum w
-            coef = w * inv_wsum  # [c]
-            if a > 0 and temp == 1.0:  # p^T = p: G = coef (p - a q) - (1-a) coef e_y
-                p.mul_(coef[:, None]).addcmul_(q, coef[:, None], value=-a)
-            else:
-                p.mul_(((1 - a) * coef)[:, None])
-                if a > 0:
-                    pt_minus_q = log_pt.exp_().sub_(q)
-                    p.addcmul_(pt_minus_q, coef[:, None], value=a * temp)
-            p.scatter_add_(1, y[:, None], (-(1 - a) * coef)[:, None])
-            q = log_pt = pt_minus_q = None
-            _chain_to_raw(p, zs, t)
-            if weight.dtype == f:
-                torch.mm(p, weight, out=dh[rows])
-            else:
-                dh[rows] = p.to(weight.dtype).matmul(weight).to(f)
-            p = None
-            if dh_cap is not None and correct.any():
-                # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
-                idx = correct.nonzero().squeeze(1)
-                z_idx = zs[idx] if t.softcap else zs  # the softcap chain rule needs these rows' logits
-                g = zs[idx].div_(tc)
-                g.sub_(torch.logsumexp(g, -1, keepdim=True))  # log pc
-                pc = g.exp()
-                g.add_(entropy[idx, None]).mul_(pc).mul_(-1.0 / tc)
-                pc = None
-                _chain_to_raw(g, z_idx, t)
-                dh_cap[start + idx] = g.to(weight.dtype).matmul(weight).to(f)
-                g = z_idx = None
-        q = log_pt = p = zt = None
+        if dh_cap is not None and correct.any():
+            # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
+            idx = correct.nonzero().squeeze(1)
+            z_idx = logits_of(idx)  # [k, V] transformed logits of these rows (the softcap chain rule reads them)
+            g = z_idx / tc
+            g.sub_(torch.logsumexp(g, -1, keepdim=True))  # log pc
+            pc = g.exp()
+            g.add_(entropy[idx, None]).mul_(pc).mul_(-1.0 / tc)
+            pc = None
+            _chain_to_raw(g, z_idx, t)
+            dh_cap[start + idx] = g.to(weight.dtype).matmul(weight).to(f)
+            g = z_idx = None
 
         # Statistics, per slot when slot ids are given.
         group = slot_ids[rows] if num_slots else torch.zeros_like(y)
@@ -218,7 +424,6 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
             1,
         ).double()
         stats.index_add_(0, group, cols)
-        del zs
 
     cap = cap_sum / max(n_correct, 1)
     loss = loss_main + t.cap_weight * cap
@@ -229,8 +434,10 @@ def _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTer
 
 class _FusedDraftLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ht, weight, labels, weights, slot_ids, num_slots, terms, chunk):
-        loss, stats, dh = _run_chunks(hs, ht, weight, labels, weights, slot_ids, num_slots, terms, chunk, True)
+    def forward(ctx, hs, ht, weight, labels, weights, slot_ids, num_slots, terms, chunk, compiled):
+        loss, stats, dh = _run_chunks(
+            hs, ht, weight, labels, weights, slot_ids, num_slots, terms, chunk, True, compiled
+        )
         ctx.save_for_backward(dh)
         ctx.hs_dtype = hs.dtype
         ctx.mark_non_differentiable(stats)
@@ -240,7 +447,7 @@ class _FusedDraftLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_stats):
         (dh,) = ctx.saved_tensors
         grad_hs = (dh * grad_loss.to(dh.dtype)).to(ctx.hs_dtype)
-        return grad_hs, None, None, None, None, None, None, None, None
+        return grad_hs, None, None, None, None, None, None, None, None, None
 
 
 def _check(name: str, ok: bool, expected: str, got) -> None:
@@ -266,6 +473,7 @@ def fused_draft_loss(
     num_slots: int | None = None,
     chunk_size: int | None = None,
     memory_budget: int | None = None,
+    compile: bool | str = "auto",
 ) -> tuple[torch.Tensor, dict]:
     """The draft loss of ``student_hidden`` against ``teacher_hidden`` through the frozen head.
 
@@ -279,6 +487,10 @@ def fused_draft_loss(
     ``student_hidden`` only, and detached metrics: ``ce``, ``kl``, ``cap``, ``accuracy`` (student argmax
     equals label), ``agreement`` (student argmax equals teacher argmax), ``label_prob``, ``rows``,
     ``correct``; with ``slot_ids`` also ``per_slot`` tensors ``[num_slots]`` of the same.
+
+    ``compile``: run each chunk's element-wise work as one ``torch.compile``d kernel (True), as
+    separate eager passes (False), or decide by size ("auto", see ``use_compiled``). Both give the
+    same results (tested in float64); a configuration that fails to compile falls back to eager.
     """
     hs, ht, w_head = student_hidden, teacher_hidden, lm_head_weight
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))
@@ -345,6 +557,7 @@ def fused_draft_loss(
         )
     terms = LossTerms(kl_weight, temperature, cap_weight, cap_temperature, label_source, logit_scale, softcap)
     chunk = chunk_rows(vocab, chunk_size, memory_budget)
+    compiled = _compiled_epilogue if use_compiled(compile, n * vocab) else None
 
     keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
     hs_k = hs.index_select(0, keep)  # differentiable: backward scatters into [N, H]
@@ -357,9 +570,11 @@ def fused_draft_loss(
         loss = hs.sum().to(torch.promote_types(hs.dtype, torch.float32)) * 0.0
         stats = torch.zeros(groups or 1, 7, dtype=torch.float64, device=hs.device)
     elif torch.is_grad_enabled() and hs.requires_grad:
-        loss, stats = _FusedDraftLoss.apply(hs_k, ht_k, w_head.detach(), y_k, w_k, slots_k, groups, terms, chunk)
+        loss, stats = _FusedDraftLoss.apply(
+            hs_k, ht_k, w_head.detach(), y_k, w_k, slots_k, groups, terms, chunk, compiled
+        )
     else:  # no_grad / inference: no gradient work at all
-        loss, stats, _ = _run_chunks(hs_k, ht_k, w_head, y_k, w_k, slots_k, groups, terms, chunk, False)
+        loss, stats, _ = _run_chunks(hs_k, ht_k, w_head, y_k, w_k, slots_k, groups, terms, chunk, False, compiled)
         loss = loss.to(torch.promote_types(hs.dtype, torch.float32))
     return loss, _metrics(stats, ht is not None, slot_ids is not None)
 

@@ -124,8 +124,12 @@ def drafter_step(
 
 def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, reference: bool = False):
     """``(loss, metrics)`` of one row's blocks: the fused loss, or the plain reference for benchmarks.
-    The head and its logit transform are the drafter's (the target's, held by the drafter)."""
+    The head and its logit transform are the drafter's (the target's, held by the drafter). Under
+    ``train.dtype=bfloat16`` the head GEMMs run in bf16 like autocast's matmuls (an fp32 head is cast
+    per step), while the loss's logits, softmax and gradient stay fp32."""
     head = drafter.lm_head_weight.detach()
+    if cfg.train.dtype == "bfloat16":
+        head = head.to(torch.bfloat16)
     hidden = batch.hidden.to(head.dtype)
     teacher = batch.teacher.to(head.dtype) if batch.teacher is not None else None
     kwargs = dict(

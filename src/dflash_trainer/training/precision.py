@@ -1,0 +1,34 @@
+"""Which training precision a device does well: bf16 autocast where it has bf16 GEMMs, else fp32.
+
+Under ``train.dtype=bfloat16`` the drafter runs under autocast with fp32 master weights (parameters,
+gradients and AdamW states stay fp32), and the loss's three head GEMMs run in bf16 with fp32 logits
+and softmax (``training.step.draft_loss``). That pays only where bf16 GEMMs are native: CUDA GPUs
+from Ampere on, x86 CPUs with AVX512-BF16 or AMX, Arm CPUs with the BF16 extension. Elsewhere
+oneDNN emulates bf16 and it is slower than fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """This CPU multiplies bf16 natively (AVX512-BF16 / AMX on x86, BF16 on Arm)."""
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return True
+    try:  # aarch64 lists "bf16" among its features
+        return any(
+            line.startswith("Features") and " bf16" in f" {line.split(':', 1)[-1]}"
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+        )
+    except OSError:
+        return False
+
+
+def preferred_train_dtype(device_type: str = "cpu") -> str:
+    """``train.dtype`` to use on ``device_type``: "bfloat16" where bf16 GEMMs are native, else "float32"."""
+    if device_type == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_has_bf16_gemm() else "float32"
