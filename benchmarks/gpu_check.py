@@ -340,6 +340,7 @@ def section_attention(ctx: Context) -> dict:
 
     s, dev = ctx.sizes, ctx.device
     vocab, features = 512, 2
+    torch.manual_seed(0)  # the embedding's init
     g = torch.Generator().manual_seed(0)
     pos = torch.cat([torch.arange(n) for n in s.attn_docs])
     length = pos.numel()
@@ -410,25 +411,29 @@ def section_attention(ctx: Context) -> dict:
                 torch.nn.init.normal_(p, std=0.02)
         ref_model = copy.deepcopy(drafter).double().to(dev)  # float64 dense: the reference
         drafter = drafter.to(dev)
-        ref_out, ref_grads = run(ref_model, "dense", False, True, dtype=torch.float64)
+        ref_out = ref_grads = ref_error = None
+        try:
+            ref_out, ref_grads = run(ref_model, "dense", False, True, dtype=torch.float64)
+        except Exception as exc:  # flex vs dense still says something without it
+            ref_error = first_line(exc)
         del ref_model
         for dtype_name, bf16 in (("fp32", False), ("bf16 autocast", True)):
             row = {"layers": "sliding (block-causal) + full" if causal else "sliding + full", "dtype": dtype_name}
+            if ref_error:
+                row["fp64_reference_error"] = ref_error
             ctx.log(f"  attention: {row['layers']}, {dtype_name}")
             try:
                 dense_out, dense_grads = run(drafter, "dense", bf16, True)
                 flex_out, flex_grads = run(drafter, "flex", bf16, grads_on_device)
-                row.update(
-                    fwd_flex_vs_dense=_rel(flex_out, dense_out),
-                    fwd_dense_vs_fp64=_rel(dense_out, ref_out),
-                    fwd_flex_vs_fp64=_rel(flex_out, ref_out),
-                )
+                row["fwd_flex_vs_dense"] = _rel(flex_out, dense_out)
+                if ref_out is not None:
+                    row.update(fwd_dense_vs_fp64=_rel(dense_out, ref_out), fwd_flex_vs_fp64=_rel(flex_out, ref_out))
+                if ref_grads is not None:
+                    row["grad_dense_vs_fp64"] = _grad_rel(dense_grads, ref_grads)
                 if flex_grads is not None:
-                    row.update(
-                        grad_flex_vs_dense=_grad_rel(flex_grads, dense_grads),
-                        grad_dense_vs_fp64=_grad_rel(dense_grads, ref_grads),
-                        grad_flex_vs_fp64=_grad_rel(flex_grads, ref_grads),
-                    )
+                    row["grad_flex_vs_dense"] = _grad_rel(flex_grads, dense_grads)
+                    if ref_grads is not None:
+                        row["grad_flex_vs_fp64"] = _grad_rel(flex_grads, ref_grads)
                 else:
                     row["grad"] = "not available on CPU (FlexAttention has no CPU backward)"
                 row["pass"] = _attention_pass(row, bf16)
@@ -441,15 +446,19 @@ def section_attention(ctx: Context) -> dict:
 
 
 # Absolute slack of the parity rule: flex's error against float64 may be at most twice the dense
-# backend's (both run the same precision) plus this.
+# backend's (both run the same precision) plus this. Without the float64 reference: flex against
+# dense within FALLBACK_TOLERANCE.
 PARITY_SLACK = {False: 1e-5, True: 1e-3}
+FALLBACK_TOLERANCE = {False: 1e-4, True: 5e-2}
 
 
 def _attention_pass(row: dict, bf16: bool) -> bool:
-    slack = PARITY_SLACK[bf16]
-    ok = row["fwd_flex_vs_fp64"] <= 2 * row["fwd_dense_vs_fp64"] + slack
-    if "grad_flex_vs_fp64" in row:
-        ok = ok and row["grad_flex_vs_fp64"] <= 2 * row["grad_dense_vs_fp64"] + slack
+    ok = True
+    for kind in ("fwd", "grad"):
+        if f"{kind}_flex_vs_fp64" in row:
+            ok &= row[f"{kind}_flex_vs_fp64"] <= 2 * row[f"{kind}_dense_vs_fp64"] + PARITY_SLACK[bf16]
+        elif f"{kind}_flex_vs_dense" in row:
+            ok &= row[f"{kind}_flex_vs_dense"] <= FALLBACK_TOLERANCE[bf16]
     return bool(ok)
 
 
@@ -917,17 +926,21 @@ def _render_attention(r: dict) -> list[str]:
         if "error" in row:
             out.append(f"| {row['layers']} | {row['dtype']} | {row['error']} | | | | | | no |")
             continue
-        grads = (
-            [_e(row.get(k)) for k in ("grad_flex_vs_dense", "grad_dense_vs_fp64", "grad_flex_vs_fp64")]
-            if "grad_flex_vs_fp64" in row
-            else [row.get("grad", "-"), "", ""]
-        )
+        if "fp64_reference_error" in row:
+            out.append(
+                f"| {row['layers']} | {row['dtype']} | (float64 reference failed: {row['fp64_reference_error']}) | | | | | | |"
+            )
+        grads = [
+            _e(row["grad_flex_vs_dense"]) if "grad_flex_vs_dense" in row else row.get("grad", "-"),
+            _e(row.get("grad_dense_vs_fp64")),
+            _e(row.get("grad_flex_vs_fp64")) if "grad_flex_vs_dense" in row else "-",
+        ]
         cells = [
             row["layers"],
             row["dtype"],
             _e(row["fwd_flex_vs_dense"]),
-            _e(row["fwd_dense_vs_fp64"]),
-            _e(row["fwd_flex_vs_fp64"]),
+            _e(row.get("fwd_dense_vs_fp64")),
+            _e(row.get("fwd_flex_vs_fp64")),
             *grads,
             "yes" if row["pass"] else "no",
         ]
