@@ -91,20 +91,23 @@ def live_tensor_bytes() -> int:
 THREADS = 2  # intra-op threads of every measured case (the CPU attention kernel's workspace is per thread)
 
 
-def allocator_peak(fn) -> tuple[object, int, dict[str, int]]:
+def allocator_peak(fn, device: str = "cpu") -> tuple[object, int, dict[str, int]]:
     """``(fn(), peak bytes allocated above the start, {phase: peak})`` from the allocator events of
-    ``torch.profiler``; phases are ``record_function`` ranges named ``PHASE_PREFIX + name``."""
+    ``torch.profiler`` on ``device`` ("cpu" or "cuda": CUDA's caching allocator reports its blocks the
+    same way); phases are ``record_function`` ranges named ``PHASE_PREFIX + name``."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
         out = fn()
     events, ranges, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        elif e.name.startswith(PHASE_PREFIX):
+            if str(e.extra_fields.device).split(":")[0] == device:
+                events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        elif e.tag == _EventType.TorchOp and e.name.startswith(PHASE_PREFIX):  # not the GPU-side copy of the range
             ranges.append((e.name[len(PHASE_PREFIX) :], e.start_time_ns, e.end_time_ns))
         stack.extend(e.children)
     events.sort()

@@ -187,6 +187,11 @@ class TargetModel:
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the target's weights are: rows go there for the forward, the drafter is built there."""
+        return self.embed_tokens.weight.device
+
     @torch.no_grad()
     def features(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, need_teacher: bool = True

@@ -68,8 +68,12 @@ def produce_row_features(target: TargetModel, row: PackedRow, row_index: int, cf
     anchors = sample_anchors(row.loss_mask, doc, block, cfg.data.max_anchors, row_generator(cfg.train.seed, row_index))
     if anchors.numel() == 0:
         return None
+    # Anchors are drawn where the row is (the CPU generator gives the same anchors on any device); the
+    # row's tensors then go where the target is, and everything downstream follows them.
+    dev = target.device
+    ids, pos, mask, anchors = (t.to(dev) for t in (row.input_ids, row.position_ids, row.loss_mask, anchors))
     with phase("target forward"):
-        return target.row_features(row.input_ids, row.position_ids, row.loss_mask, anchors, block, needs_teacher(cfg))
+        return target.row_features(ids, pos, mask, anchors, block, needs_teacher(cfg))
 
 
 @dataclass

@@ -69,17 +69,21 @@ def lr_lambda(cfg: RunConfig):
 
 
 def build_drafter(cfg: RunConfig, target: TargetModel, tokenizer) -> DFlashDrafter:
-    """A freshly initialized drafter for ``target`` (seeded by ``train.seed``), fp32 parameters."""
+    """A freshly initialized drafter for ``target`` (seeded by ``train.seed``), fp32 parameters, on the
+    target's device."""
     mask_id = resolve_mask_token_id(tokenizer, cfg.drafter.mask_token_id, target.vocab_size)
     spec = DrafterSpec.from_target(
         target.config, cfg.drafter, num_features=len(target.layer_ids), mask_token_id=mask_id
     )
     torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
-    # Qwen-style init: normal(0, 0.02) for projections, ones for norms (the norms' default).
-    for p in drafter.parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
+    # Built where the target is (its embedding and head are shared): on a GPU, initializing billions
+    # of parameters there takes seconds where the CPU takes minutes.
+    with torch.device(target.device):
+        drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
+        # Qwen-style init: normal(0, 0.02) for projections, ones for norms (the norms' default).
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.02)
     return drafter.float()
 
 
