@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..config import RunConfig, write_resolved_config
 from ..config.cli_args import add_config_args, resolve_config
+from ..export.semantics import config_mismatches
 from ..io import atomic_write_json
+from ..model.loading import load_target_config
+from ..model.target import default_layer_ids
 from ..planner.preflight import preflight
 from ..training.setup import prepare
 from ..training.trainer import Trainer
@@ -19,6 +23,7 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     # loss chunk the planner derives (so run.yaml records it). topology.preflight=false overrides.
     cfg = preflight(cfg)
     write_resolved_config(cfg, out)
+    warn_unservable(cfg)
     target, tokenizer, train_rows, eval_rows, report = prepare(cfg)
     skipped = ", ".join(f"{n} {kind}" for kind, n in report.counts.items()) or "none"
     print(
@@ -42,6 +47,28 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     atomic_write_json(out / "summary.json", summary)
     print(f"done: tau {result.get('tau', float('nan')):.3f} on held-out rows; checkpoint {final}", flush=True)
     return summary
+
+
+def warn_unservable(cfg: RunConfig) -> list[str]:
+    """Warn (stderr) about trained settings a format in ``export.formats`` cannot serve, before any
+    weights are read: the export would refuse them later. Returns the warning lines."""
+    if not cfg.export.formats:
+        return []
+    text_cfg, _, _ = load_target_config(cfg.target.path)
+    n = text_cfg.num_hidden_layers
+    ids = (
+        cfg.target.layer_ids
+        if cfg.target.layer_ids is not None
+        else default_layer_ids(n, cfg.target.num_feature_layers)
+    )
+    lines = [
+        f"warning: not servable in the {fmt} format: {m.message} (export.formats names {fmt})"
+        for fmt, found in config_mismatches(cfg, n, list(ids)).items()
+        for m in found
+    ]
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return lines
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
