@@ -10,7 +10,12 @@ Formats:
 - ``speculators``: ``speculators_model_type: "dflash"``, ``transformer_layer_config``,
   ``aux_hidden_state_layer_ids`` (vLLM's ids = z-lab ids + 1: converted here and nowhere else),
   ``mask_token_id``, ``block_size``, ``speculators_config``; the target's embedding and lm_head are
-  copied in as ``embed_tokens.weight`` and ``lm_head.weight``.
+  copied in as ``embed_tokens.weight`` and ``lm_head.weight`` (speculators' loader overwrites both from
+  the verifier it names).
+
+Both also hold ``export_info.json`` (checkpoint, trained layer ids, semantics, accepted mismatches) and
+a README.md. What each format means in its serving stack, and what export refuses, is
+``semantics.py``; ``check_export`` checks a folder the way its stack reads it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ FORMATS = ("zlab", "speculators")
 # One row per format: how the stack reads each trained setting (the README's table, in code).
 SEMANTICS: dict[str, dict[str, str]] = {
     "zlab": {
-        "reader": "z-lab's DFlashDraftModel (github z-lab/dflash, dflash/model.py); SGLang/vLLM load the same layout",
+        "reader": "z-lab's DFlashDraftModel (github z-lab/dflash, dflash/model.py); SGLang/vLLM read the same layout "
+        "(their window handling is not checked here)",
         "layer_ids": "dflash_config.target_layer_ids; z-lab id l = transformers' hidden_states[l+1]",
         "final_norm": "hidden_states[n] is post-norm: id n-1 is read after the target's final norm",
         "windows": "not reproduced: sdpa/eager ignore sliding_window (4.57 code), later code counts block slots",
