@@ -82,14 +82,21 @@ def _write_folder(out_dir: Path, files: dict[str, object], tensors: dict[str, to
             (tmp / name).write_text(text, encoding="utf-8")
 
 
-def _verifier_name(target: dict, verifier: str | None) -> str | None:
+def _verifier_name(fmt: str, target: dict, verifier: str | None) -> str | None:
     """What the export records as the verifier: ``--verifier`` as given (a local folder or a hub name),
     else the checkpoint's target resolved to an absolute local folder ("tiny" is no hub name)."""
     if verifier:
         return str(Path(verifier).resolve()) if Path(verifier).expanduser().is_dir() else verifier
     if target.get("path") is None:
         return None
-    return str(resolve_target_path(target["path"]).resolve())
+    try:
+        return str(resolve_target_path(target["path"]).resolve())
+    except UserError:
+        if fmt == "zlab":  # informational there (z-lab's code takes the target as an argument)
+            return target["path"]
+        raise UserError(
+            f"the checkpoint's target {target['path']!r} is not a local folder here: pass --verifier NAME_OR_PATH"
+        ) from None
 
 
 def export_checkpoint(
@@ -121,7 +128,7 @@ def export_checkpoint(
     if found and not allow_mismatch:
         raise UserError(f"cannot export as {fmt}: " + "; ".join(m.message for m in found) + " (or --allow-mismatch)")
     differs = [m.message for m in found]
-    verifier_name = _verifier_name(target, verifier)
+    verifier_name = _verifier_name(fmt, target, verifier)
     state = {k: v.to(torch.bfloat16) for k, v in load_file(str(Path(checkpoint) / CKPT_WEIGHTS)).items()}
     if fmt == "zlab":
         config = {
@@ -188,10 +195,11 @@ def export_checkpoint(
 
 def _export_readme(fmt: str, info: dict) -> str:
     """The export folder's README: how its stack reads it, and what differs from training if anything."""
+    step = f" (step {info['step']})" if info["step"] is not None else ""
     lines = [
         f"# DFlash drafter, {fmt} format (written by dflash-trainer)",
         "",
-        f"Exported from `{info['checkpoint']}` (step {info['step']}); trained on target layer ids "
+        f"Exported from `{info['checkpoint']}`{step}; trained on target layer ids "
         f"{info['trained_layer_ids']} (z-lab ids: id l = output of decoder layer l, before the final norm).",
         "",
         "How the serving stack reads this export:",
