@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from ..config import RunConfig, write_resolved_config
 from ..config.cli_args import add_config_args, resolve_config
 from ..errors import UserError
+from ..export.semantics import config_mismatches
 from ..io import atomic_write_json
+from ..model.loading import load_target_config
+from ..model.target import default_layer_ids
 from ..planner.preflight import preflight
 from ..training import distributed
 from ..training.checkpoint import read_counters
@@ -26,8 +31,11 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     # loss chunk the planner derives (so run.yaml records it). topology.preflight=false overrides.
     cfg = preflight(cfg)
     if cfg.topology.target_ranks:
+        if int(os.environ.get("RANK", "0")) == cfg.topology.target_ranks:  # drafter rank 0 warns, once
+            warn_unservable(cfg)
         return run_distributed(cfg, resume=resume, progress=progress, overwrite=overwrite)
     write_resolved_config(cfg, out)
+    warn_unservable(cfg)
     target, tokenizer, train_rows, eval_rows, report = prepare(cfg)
     _print_data(cfg, report, train_rows, eval_rows)
     trainer = Trainer(
@@ -139,6 +147,28 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
         return summary
     except UserError as exc:
         raise UserError(f"rank {layout.rank} ({role}): {exc}") from None
+
+
+def warn_unservable(cfg: RunConfig) -> list[str]:
+    """Warn (stderr) about trained settings a format in ``export.formats`` cannot serve, before any
+    weights are read: the export would refuse them later. Returns the warning lines."""
+    if not cfg.export.formats:
+        return []
+    text_cfg, _, _ = load_target_config(cfg.target.path)
+    n = text_cfg.num_hidden_layers
+    ids = (
+        cfg.target.layer_ids
+        if cfg.target.layer_ids is not None
+        else default_layer_ids(n, cfg.target.num_feature_layers)
+    )
+    lines = [
+        f"warning: not servable in the {fmt} format: {m.message} (export.formats names {fmt})"
+        for fmt, found in config_mismatches(cfg, n, list(ids)).items()
+        for m in found
+    ]
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return lines
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:

@@ -176,6 +176,15 @@ class TopologyConfig(Section):
         return value
 
 
+class ExportConfig(Section):
+    """How the drafter will be served: training warns at startup about settings these formats cannot serve."""
+
+    formats: list[Literal["zlab", "speculators"]] = Field(
+        default_factory=lambda: ["zlab", "speculators"],
+        description="export formats this drafter is meant for (README: semantics per format); [] = no warning",
+    )
+
+
 class RunConfig(Section):
     """A whole run. ``output_dir`` receives the resolved ``run.yaml`` and everything the run writes."""
 
@@ -187,6 +196,7 @@ class RunConfig(Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
 
     @model_validator(mode="after")
     def _anchors_fit_row(self) -> RunConfig:

@@ -10,18 +10,25 @@ Formats:
 - ``speculators``: ``speculators_model_type: "dflash"``, ``transformer_layer_config``,
   ``aux_hidden_state_layer_ids`` (vLLM's ids = z-lab ids + 1: converted here and nowhere else),
   ``mask_token_id``, ``block_size``, ``speculators_config``; the target's embedding and lm_head are
-  copied in as ``embed_tokens.weight`` and ``lm_head.weight``.
+  copied in as ``embed_tokens.weight`` and ``lm_head.weight`` (speculators' loader overwrites both from
+  the verifier it names).
 
 Both record ``target_transforms`` (``embedding_scale``, ``logit_scale``, ``logit_softcap``): what the
 drafter trained with through the target's own modules (Gemma multiplies embeddings by sqrt(hidden) and
 soft-caps logits). The speculators folder stores ``embed_tokens.weight`` with the scale already applied
 (``embedding_scale_in_weights``), so a plain lookup gives the rows the drafter trained on; ``--check``
 compares the recorded transforms with the target's.
+
+
+Both also hold ``export_info.json`` (checkpoint, trained layer ids, semantics, accepted mismatches) and
+a README.md. What each format means in its serving stack, and what export refuses, is
+``semantics.py``; ``check_export`` checks a folder the way its stack reads it.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -31,10 +38,14 @@ from safetensors.torch import load_file, save_file
 from ..errors import UserError
 from ..io import atomic_folder
 from ..model.drafter import DFlashDrafter, DrafterSpec
+from ..model.loading import resolve_target_path
 from ..training.checkpoint import WEIGHTS as CKPT_WEIGHTS
 from ..training.checkpoint import check_against_target, checkpoint_spec, read_checkpoint_config
+from .semantics import FORMATS, SEMANTICS, mismatches
 
 MODEL_WEIGHTS = "model.safetensors"
+EXPORT_INFO = "export_info.json"  # this project's record: trained layer ids, checkpoint, semantics, mismatches
+EXPORT_INFO_FORMAT = "dflash-trainer-export/1"
 DRAFTER_KEYS = ("fc.", "hidden_norm.", "layers.", "norm.")
 
 
@@ -115,12 +126,53 @@ def transform_problems(cfg: dict, target_dir: Path) -> list[str]:
     return problems
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model=None) -> Path:
+def _verifier_name(fmt: str, target: dict, verifier: str | None) -> str | None:
+    """What the export records as the verifier: ``--verifier`` as given (a local folder or a hub name),
+    else the checkpoint's target resolved to an absolute local folder ("tiny" is no hub name)."""
+    if verifier:
+        return str(Path(verifier).resolve()) if Path(verifier).expanduser().is_dir() else verifier
+    if target.get("path") is None:
+        return None
+    try:
+        return str(resolve_target_path(target["path"]).resolve())
+    except UserError:
+        if fmt == "zlab":  # informational there (z-lab's code takes the target as an argument)
+            return target["path"]
+        raise UserError(
+            f"the checkpoint's target {target['path']!r} is not a local folder here: pass --verifier NAME_OR_PATH"
+        ) from None
+
+
+def export_checkpoint(
+    checkpoint: Path,
+    out_dir: Path,
+    fmt: str,
+    *,
+    target_model=None,
+    verifier: str | None = None,
+    allow_mismatch: bool = False,
+) -> Path:
     """Export ``checkpoint`` as ``fmt`` ("zlab" or "speculators"). The speculators format copies the
-    target's embedding and lm_head, so it needs ``target_model`` (a HF causal LM)."""
+    target's embedding and lm_head, so it needs ``target_model`` (a HF causal LM). Settings the format's
+    serving stack cannot reproduce (``semantics.mismatches``) are refused unless ``allow_mismatch``,
+    which records them in the export's README.md, config.json and export_info.json instead."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}: use 'zlab' or 'speculators'")
     meta = read_checkpoint_config(checkpoint)
     spec = checkpoint_spec(meta)
     target = meta["target"]
+    found = mismatches(
+        fmt,
+        layer_ids=list(target["layer_ids"]),
+        num_target_layers=target["num_layers"],
+        sliding_window_layers=spec.sliding_window_layers,
+        sliding_window=spec.sliding_window,
+        causal_in_block_sliding=spec.causal_in_block_sliding,
+    )
+    if found and not allow_mismatch:
+        raise UserError(f"cannot export as {fmt}: " + "; ".join(m.message for m in found) + " (or --allow-mismatch)")
+    differs = [m.message for m in found]
+    verifier_name = _verifier_name(fmt, target, verifier)
     state = {k: v.to(torch.bfloat16) for k, v in load_file(str(Path(checkpoint) / CKPT_WEIGHTS)).items()}
     if fmt == "zlab":
         config = {
@@ -133,15 +185,20 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
                 "mask_token_id": spec.mask_token_id,
                 "target_layer_ids": list(target["layer_ids"]),
                 "causal_in_block_sliding": spec.causal_in_block_sliding,
-                "target_model_path": target.get("path"),
+                "target_model_path": verifier_name,
                 "target_transforms": target_transforms(spec, _scale(target_model, target)),
             },
         }
         modeling = (resources.files("dflash_trainer.export") / "assets" / "modeling_dflash.py").read_text()
-        _write_folder(out_dir, {"config.json": config, "modeling_dflash.py": modeling}, state)
-    elif fmt == "speculators":
+        files: dict[str, object] = {"modeling_dflash.py": modeling}
+        tensors = state
+    else:
         if target_model is None:
             raise UserError("the speculators format copies the target's embedding and lm_head: the target is needed")
+        if verifier_name is None:
+            raise UserError(
+                "the checkpoint names no target path: pass --verifier NAME_OR_PATH (a local folder or hub name)"
+            )
         scale = _scale(target_model, target)
         # the drafter looked rows up through the target's module, which scales them (Gemma): bake it in
         embed = (target_model.get_input_embeddings().weight.detach().float() * scale).to(torch.bfloat16)
@@ -161,16 +218,26 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, fmt: str, *, target_model
                 "algorithm": "dflash",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1}],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": target.get("path"), "architectures": target["architectures"]},
+                "verifier": {"name_or_path": verifier_name, "architectures": target["architectures"]},
             },
         }
-        _write_folder(
-            out_dir,
-            {"config.json": config},
-            {**state, "embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()},
-        )
-    else:
-        raise UserError(f"unknown export format {fmt!r}: use 'zlab' or 'speculators'")
+        files = {}
+        tensors = {**state, "embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()}
+    if differs:
+        config["dflash_trainer_mismatches"] = differs
+    info = {
+        "format": EXPORT_INFO_FORMAT,
+        "export_format": fmt,
+        "checkpoint": str(Path(checkpoint).resolve()),
+        "step": meta.get("step"),
+        "trained_layer_ids": list(target["layer_ids"]),
+        "target": target,
+        "verifier": verifier_name,
+        "semantics": SEMANTICS[fmt],
+        "allowed_mismatches": differs,
+    }
+    files.update({"config.json": config, EXPORT_INFO: info, "README.md": _export_readme(fmt, info)})
+    _write_folder(out_dir, files, tensors)
     return Path(out_dir)
 
 
@@ -191,6 +258,30 @@ def _scale(target_model, target_meta: dict) -> float | None:
         return config_embedding_scale(AutoConfig.from_pretrained(resolve_target_path(path), local_files_only=True))
     except (UserError, OSError, ValueError):
         return None  # target not here: recorded as unknown, and --check against the target says so
+
+
+def _export_readme(fmt: str, info: dict) -> str:
+    """The export folder's README: how its stack reads it, and what differs from training if anything."""
+    step = f" (step {info['step']})" if info["step"] is not None else ""
+    lines = [
+        f"# DFlash drafter, {fmt} format (written by dflash-trainer)",
+        "",
+        f"Exported from `{info['checkpoint']}`{step}; trained on target layer ids "
+        f"{info['trained_layer_ids']} (z-lab ids: id l = output of decoder layer l, before the final norm).",
+        "",
+        "How the serving stack reads this export:",
+        "",
+        *(f"- {key}: {value}" for key, value in info["semantics"].items()),
+        "",
+    ]
+    if info["allowed_mismatches"]:
+        lines += [
+            "## What differs from training (exported with --allow-mismatch)",
+            "",
+            *(f"- {line}" for line in info["allowed_mismatches"]),
+            "",
+        ]
+    return "\n".join(lines)
 
 
 def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
@@ -249,25 +340,129 @@ def load_export(folder: Path, target, dtype: torch.dtype = torch.float32) -> DFl
     return drafter.to(dtype).eval()
 
 
-def check_export(folder: Path, target_path: str | None = None) -> list[str]:
-    """Problems of an exported folder against the target it names (or ``target_path``), one line each."""
+def read_export_info(folder: Path) -> dict | None:
+    """The export's ``export_info.json`` (trained layer ids, checkpoint, allowed mismatches), or None."""
+    f = Path(folder) / EXPORT_INFO
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def recorded_verifier(fmt: str, cfg: dict) -> str | None:
+    """The target an export names: speculators' verifier, or the zlab config's target_model_path."""
+    if fmt == "zlab":
+        return cfg["dflash_config"].get("target_model_path")
+    return cfg["speculators_config"]["verifier"].get("name_or_path")
+
+
+def resolve_verifier(name: str) -> Path:
+    """The local folder of ``name`` resolved the way speculators' ``from_pretrained`` resolves its
+    verifier: an existing local folder, else a Hugging Face hub id (downloaded, or from the cache when
+    offline). One-line ``UserError`` when the stack could not load it."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise UserError(f"verifier {name} is a folder without config.json: not a model folder")
+        if not any(folder.glob("*.safetensors")):
+            raise UserError(f"verifier {name} has no *.safetensors: speculators loads its embedding from those")
+        return folder
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id=name, filename="config.json")).parent
+    except Exception as exc:  # noqa: BLE001 - any failure here is "the stack cannot load it"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"verifier {name!r} is neither a local model folder nor loadable from the Hugging Face hub "
+            f"({first}); re-export with --verifier NAME_OR_PATH"
+        ) from None
+
+
+def expected_tensors(fmt: str, spec: DrafterSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor an export of ``spec`` must hold, with its shape (built on the meta device)."""
+    with torch.device("meta"):
+        embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
+        drafter = DFlashDrafter(spec, embed, embed.weight)
+    shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    if fmt == "speculators":
+        shapes["embed_tokens.weight"] = shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def zlab_features(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """``[L] -> [L, k*H]`` context features as z-lab's code extracts them: transformers'
+    ``hidden_states[l + 1]`` (after the final norm for the last layer), concatenated in id order."""
+    with torch.no_grad():
+        out = model(input_ids=input_ids[None], output_hidden_states=True, use_cache=False)
+    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+
+SMOKE_TOLERANCE = 1e-3  # max |logit difference|: export vs checkpoint (bf16-rounded), both computed in fp32
+SMOKE_ANCHORS = 4  # blocks per row
+SMOKE_ROWS = 2  # held-out rows of the tiny target's corpus (stdlib source), at most SMOKE_TOKENS each
+SMOKE_TOKENS = 160
+
+
+@dataclass
+class CheckReport:
+    """``problems`` fail the check; ``notes`` are what was measured or accepted at export."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    max_logit_diff: float | None = None
+
+
+def _tensor_problems(folder: Path, fmt: str, spec: DrafterSpec) -> list[str]:
+    from safetensors import safe_open
+
+    expected = expected_tensors(fmt, spec)
+    problems = []
+    with safe_open(str(Path(folder) / MODEL_WEIGHTS), framework="pt") as f:
+        present = set(f.keys())
+        for name in sorted(expected.keys() - present):
+            problems.append(f"weights have no {name} (expected {expected[name]})")
+        for name in sorted(present - expected.keys()):
+            problems.append(f"weights hold {name}, which the config does not describe")
+        for name in sorted(present & expected.keys()):
+            sl = f.get_slice(name)
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            if shape != expected[name]:
+                hint = ""
+                if name == "fc.weight" and len(shape) == 2 and shape[1] % spec.hidden_size == 0:
+                    hint = f" ({shape[1] // spec.hidden_size} layers x hidden; the config has {spec.num_features} layer ids)"
+                problems.append(f"{name} is {shape}, the config gives {expected[name]}{hint}")
+            if dtype != "BF16":
+                problems.append(f"{name} is {dtype}, the config says bfloat16")
+    return problems
+
+
+def check_export(
+    folder: Path, target_path: str | None = None, checkpoint: str | None = None, *, smoke: bool = True
+) -> CheckReport:
+    """Check an exported folder: its config against the target, every tensor's shape and dtype, the
+    layer ids against those it was trained with, the semantics its stack applies, the verifier resolved
+    as the stack would, and (``smoke``) block logits on real rows against the checkpoint's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..model.loading import resolve_target_path
     from ..model.target import text_config
 
     fmt, spec, layer_ids, n_target, cfg = read_export(folder)
-    named = (
-        cfg["dflash_config"].get("target_model_path")
-        if fmt == "zlab"
-        else cfg["speculators_config"]["verifier"].get("name_or_path")
-    )
-    path = target_path or named
-    if not path:
-        return ["the export names no target; pass --target PATH"]
-    tdir = resolve_target_path(path)
+    info = read_export_info(folder)
+    report = CheckReport()
+    problems, notes = report.problems, report.notes
+    named = recorded_verifier(fmt, cfg)
+    verifier_dir = None
+    if named:
+        try:
+            verifier_dir = resolve_verifier(named)
+        except UserError as exc:
+            if fmt == "speculators":  # speculators' from_pretrained loads it; z-lab's code never reads it
+                problems.append(str(exc))
+    elif fmt == "speculators":
+        problems.append("speculators_config.verifier.name_or_path is empty: re-export with --verifier NAME_OR_PATH")
+    tdir = resolve_target_path(target_path) if target_path else verifier_dir
+    if tdir is None:
+        problems.append("the export names no loadable target; pass --target PATH")
+        return report
     tcfg = text_config(AutoConfig.from_pretrained(tdir, local_files_only=True))
-    problems = []
     if spec.hidden_size != tcfg.hidden_size:
         problems.append(f"hidden size {spec.hidden_size} does not match the target's {tcfg.hidden_size}")
     if spec.vocab_size != tcfg.vocab_size:
@@ -277,6 +472,13 @@ def check_export(folder: Path, target_path: str | None = None) -> list[str]:
     if bad:
         hint = " (speculators ids are z-lab ids + 1: an off-by-one export?)" if fmt == "speculators" else ""
         problems.append(f"target layer ids {bad} are outside the target's 0..{n_layers - 1}{hint}")
+    if info is None:
+        problems.append(f"no {EXPORT_INFO}: the layer ids the drafter was trained with are unknown; re-export")
+    elif list(layer_ids) != list(info["trained_layer_ids"]):
+        shown = [i + 1 for i in layer_ids] if fmt == "speculators" else list(layer_ids)
+        want = [i + 1 for i in info["trained_layer_ids"]] if fmt == "speculators" else info["trained_layer_ids"]
+        key = "aux_hidden_state_layer_ids" if fmt == "speculators" else "dflash_config.target_layer_ids"
+        problems.append(f"{key} {shown} are not the ids the drafter was trained with ({want})")
     if n_target not in (-1, n_layers):
         problems.append(f"num_target_layers {n_target} does not match the target's {n_layers} layers")
     if not 0 <= spec.mask_token_id < tcfg.vocab_size:
@@ -298,13 +500,73 @@ def check_export(folder: Path, target_path: str | None = None) -> list[str]:
         tokens = cfg["speculators_config"]["proposal_methods"][0].get("speculative_tokens")
         if tokens != spec.block_size - 1:
             problems.append(f"speculative_tokens {tokens} does not equal block_size - 1 = {spec.block_size - 1}")
-    state = load_file(str(Path(folder) / MODEL_WEIGHTS))
-    fc = state.get("fc.weight")
-    if fc is None:
-        problems.append("weights have no fc.weight")
-    elif tuple(fc.shape) != (spec.hidden_size, len(layer_ids) * spec.hidden_size):
-        problems.append(
-            f"fc.weight is {tuple(fc.shape)}, expected ({spec.hidden_size}, {len(layer_ids)} layer ids x "
-            f"{spec.hidden_size}): layer-id count and weights disagree"
+    problems.extend(_tensor_problems(folder, fmt, spec))
+    allowed = set((info or {}).get("allowed_mismatches", []))
+    for m in mismatches(
+        fmt,
+        layer_ids=layer_ids,
+        num_target_layers=n_layers,
+        sliding_window_layers=spec.sliding_window_layers,
+        sliding_window=spec.sliding_window,
+        causal_in_block_sliding=spec.causal_in_block_sliding,
+    ):
+        (notes if m.message in allowed else problems).append(
+            f"{'accepted at export: ' if m.message in allowed else ''}{m.message}"
         )
-    return problems
+    if smoke and not problems:
+        _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report, tolerate=bool(allowed))
+    return report
+
+
+def _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report: CheckReport, tolerate: bool) -> None:
+    """Block logits of the export (its weights read back, features extracted as its stack extracts them)
+    against the checkpoint's (weights rounded to bf16 as exported), on real rows, in fp32."""
+    from ..config import TargetConfig
+    from ..model.loading import load_target
+    from ..model.target import TargetModel
+    from ..tiny_target.corpus import load_split
+    from ..training.checkpoint import load_drafter
+
+    ckpt = Path(checkpoint or (info or {}).get("checkpoint") or "")
+    if not (ckpt / CKPT_WEIGHTS).is_file():
+        report.problems.append(f"checkpoint {ckpt} is not there for the numeric check: pass --checkpoint PATH")
+        return
+    model, tok, _ = load_target(TargetConfig(path=str(tdir), dtype="float32"))
+    trained = TargetModel(model, layer_ids=info["trained_layer_ids"])
+    reference, _ = load_drafter(ckpt, trained)
+    for p in reference.parameters():
+        p.data = p.data.bfloat16().float()
+    served = TargetModel(model, layer_ids=layer_ids)
+    exported = load_export(folder, served)
+    worst, agree, total = 0.0, 0, 0
+    for doc in load_split("held_out", limit=SMOKE_ROWS):
+        ids = torch.tensor(tok(doc.text, add_special_tokens=False)["input_ids"][:SMOKE_TOKENS])
+        if ids.numel() < spec.block_size + 2:
+            continue
+        ref_feats = trained.features(ids, need_teacher=False).context
+        exp_feats = (
+            zlab_features(model, ids, layer_ids) if fmt == "zlab" else served.features(ids, need_teacher=False).context
+        )
+        last = ids.numel() - spec.block_size
+        for a in torch.linspace(1, last, SMOKE_ANCHORS).long().tolist():
+            pos = torch.arange(a)
+            want = reference.block_logits(
+                reference.draft_block(int(ids[a]), a, reference.context_cache(ref_feats[:a], pos))
+            )
+            got = exported.block_logits(
+                exported.draft_block(int(ids[a]), a, exported.context_cache(exp_feats[:a], pos))
+            )
+            worst = max(worst, (got - want).abs().max().item())
+            agree += int((got[1:].argmax(-1) == want[1:].argmax(-1)).sum())
+            total += spec.block_size - 1
+    report.max_logit_diff = worst
+    line = (
+        f"block logits vs checkpoint {ckpt.name}: max |diff| {worst:.2e} (tolerance {SMOKE_TOLERANCE:g}), "
+        f"top-1 agreement {agree}/{total} draft slots"
+    )
+    if worst <= SMOKE_TOLERANCE:
+        report.notes.append(line)
+    elif tolerate:
+        report.notes.append(line + " (the accepted mismatches above)")
+    else:
+        report.problems.append(line)

@@ -5,8 +5,10 @@ outputs of the hooked decoder layers, and stops after the last hooked layer unle
 final-normed hidden states are wanted. The ``lm_head`` is never applied here; the loss projects the
 few selected teacher rows itself (shared/DESIGN.md section 1, items 1-2).
 
-Layer ids follow the z-lab convention: id ``l`` is the output of decoder layer ``l`` (HF's
-``hidden_states[l + 1]``).
+Layer ids follow the z-lab convention: id ``l`` is the output of decoder layer ``l``, before the
+final norm. That is Hugging Face's ``hidden_states[l + 1]`` for every layer but the last: for
+``l = n - 1`` transformers returns the final-normed state there, which is what z-lab's code reads
+(``export/semantics.py``: the zlab export refuses that id).
 
 ``row_features`` is the producer half of a training step: everything the drafter side needs for one
 packed row, selected before it leaves the target (context features, teacher hidden states only at
