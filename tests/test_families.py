@@ -248,7 +248,7 @@ def test_whole_flow(folders, tmp_path, family):
 
     for fmt in ("zlab", "speculators"):
         out = export_checkpoint(ckpt, tmp_path / fmt, fmt, target_model=target.model if fmt == "speculators" else None)
-        assert check_export(out) == []
+        assert check_export(out).problems == []
         loaded = load_export(out, target)
         assert loaded.spec.logit_options == drafter.spec.logit_options
         if family == "gemma3":  # an export that drops the recorded transforms is caught
@@ -258,5 +258,5 @@ def test_whole_flow(folders, tmp_path, family):
             config.pop("target_transforms", None)
             config.get("dflash_config", {}).pop("target_transforms", None)
             (out / "config.json").write_text(json.dumps(config))
-            problems = check_export(out)
+            problems = check_export(out).problems
             assert any("embedding_scale" in p for p in problems) and any("logit_softcap" in p for p in problems)

@@ -398,8 +398,11 @@ def _run_chunks(
         if dh_cap is not None and correct.any():
             # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
             idx = correct.nonzero().squeeze(1)
-            z_idx = logits_of(idx)  # [k, V] transformed logits of these rows (the softcap chain rule reads them)
-            g = z_idx / tc
+            z_idx = logits_of(idx)  # [k, V] transformed logits of these rows, a fresh copy
+            if t.softcap:  # the softcap chain rule reads them after g is built: keep both
+                g = z_idx / tc
+            else:  # reuse the copy: one [k, V] buffer, as the planner's loss_workspace prices CAP
+                g, z_idx = z_idx.div_(tc), None
             g.sub_(torch.logsumexp(g, -1, keepdim=True))  # log pc
             pc = g.exp()
             g.add_(entropy[idx, None]).mul_(pc).mul_(-1.0 / tc)
