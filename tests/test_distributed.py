@@ -46,9 +46,9 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def launch(out: Path, data: Path, nproc: int, *extra: str) -> subprocess.Popen:
+def launch(out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
     """``torchrun --nproc-per-node N -m dflash_trainer.cli train ...`` (or one plain process for N = 1)."""
-    args = ["train", "--config", "tiny-demo", "--no-progress"]
+    args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
     for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
         args += ["--set", item]
     if nproc == 1:
@@ -73,8 +73,10 @@ def launch(out: Path, data: Path, nproc: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def run(out: Path, data: Path, nproc: int, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = launch(out, data, nproc, *extra)
+def run(
+    out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = (), timeout: int = 300
+) -> subprocess.CompletedProcess:
+    proc = launch(out, data, nproc, *extra, flags=flags)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -172,30 +174,9 @@ def test_killed_target_rank_is_named_then_resume_reproduces_losses(single, data,
         assert named, stderr[-3000:]
     assert all(verify_checkpoint(p) is None for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     # resume with a different number of target ranks: the data position is a global row index
-    result = _resume(out, data, 2, "topology.target_ranks=1")
+    result = run(out, data, 2, "topology.target_ranks=1", flags=("--resume", "auto"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_losses(losses(single), losses(out))
-
-
-def _resume(out, data, nproc, *extra):
-    args = ["train", "--config", "tiny-demo", "--no-progress", "--resume", "auto"]
-    for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
-        args += ["--set", item]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "dflash_trainer.cli",
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
 
 
 def test_hung_target_rank_is_detected_by_the_timeout(data, tmp_path):
