@@ -250,7 +250,6 @@ class Sender:
         self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self.error: PeerError | None = None
         self.current = -1  # the destination being sent to
-        self.bytes = 0
         self.thread = threading.Thread(target=self._loop, daemon=True, name="dflash-sender")
         self.thread.start()
 
@@ -269,7 +268,6 @@ class Sender:
                 return
             finally:
                 self.queue.task_done()
-            self.bytes += sum(p.numel() * p.element_size() for p in parts)
 
     def _check(self) -> None:
         if self.error is not None:
@@ -474,10 +472,6 @@ class DrafterFeed:
         while self._announced_step < min(self.cfg.train.max_steps, self.step + 2):
             self._announce(self._announced_step)
             self._announced_step += 1
-
-    def next_step_rows(self) -> tuple[list[int], int]:
-        """This step's global row indices (all drafter ranks') and the unusable rows skipped."""
-        return self.plan.step()
 
     def take(self, g: int) -> RowFeatures:
         """The features of global row ``g``, the next micro-batch this rank trains on."""
