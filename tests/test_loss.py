@@ -1,6 +1,9 @@
 """The fused draft loss against the plain reference (float64), chunking, autograd and memory."""
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -12,6 +15,7 @@ from dflash_trainer.loss import (
     dpace_slot_weights,
     fused,
     fused_draft_loss,
+    native,
     reference_draft_loss,
     slot_weights,
 )
@@ -47,7 +51,10 @@ TERMS = {
 }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+KERNELS = pytest.mark.parametrize("compiled", [False, "native", "inductor"], ids=["eager", "native", "inductor"])
+
+
+@KERNELS
 @pytest.mark.parametrize("name", list(TERMS))
 def test_matches_reference_float64(name, compiled):
     kw = TERMS[name]
@@ -55,7 +62,7 @@ def test_matches_reference_float64(name, compiled):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss, metrics = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, compile=compiled, **kw)
-    assert not [w for w in caught if "did not compile" in str(w.message)]  # the compiled kernel really ran
+    assert not [w for w in caught if "did not compile" in str(w.message) or "could not be built" in str(w.message)]
     (grad,) = torch.autograd.grad(loss, hs)
     ref_loss, ref_metrics = reference_draft_loss(hs, ht, w_head, labels, weights, **kw)
     (ref_grad,) = torch.autograd.grad(ref_loss, hs)
@@ -80,20 +87,21 @@ def test_chunk_invariance(chunk):
     assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("kernel", ["native", "inductor"])
 @pytest.mark.parametrize("chunk", [1, 7])
-def test_compiled_matches_eager_across_chunkings(chunk):
-    """One compiled kernel serves every chunk length (the last chunk, compacted rows; 1 row specializes)."""
+def test_compiled_matches_eager_across_chunkings(chunk, kernel):
+    """One kernel serves every chunk length (the last chunk, compacted rows; 1 row specializes inductor's)."""
     hs, ht, w_head, labels, weights, slots = make_inputs(n=29)
     kw = dict(TERMS["combined_T"], slot_ids=slots, num_slots=5)
     base, base_m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=29, compile=False, **kw)
     (base_grad,) = torch.autograd.grad(base, hs)
-    loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=True, **kw)
+    loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=kernel, **kw)
     (grad,) = torch.autograd.grad(loss, hs)
     assert abs(loss.item() - base.item()) < 1e-12
     assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
     assert torch.allclose(m["per_slot"]["ce"], base_m["per_slot"]["ce"], rtol=0, atol=1e-12)
     with torch.no_grad():  # inference: the kernel without its gradient pass
-        loss_ng, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=True, **kw)
+        loss_ng, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=kernel, **kw)
     assert abs(loss_ng.item() - base.item()) < 1e-12
 
 
@@ -109,7 +117,7 @@ def test_a_failed_compile_falls_back_to_the_eager_passes():
         inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}),
         pytest.warns(UserWarning, match="did not compile") as caught,
     ):
-        loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, compile=True, **kw)
+        loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, compile="inductor", **kw)
         (grad,) = torch.autograd.grad(loss, hs)
     assert len([w for w in caught if "did not compile" in str(w.message)]) == 1  # once, not per chunk
     assert abs(loss.item() - ref.item()) < 1e-10
@@ -117,15 +125,111 @@ def test_a_failed_compile_falls_back_to_the_eager_passes():
     assert any("temperature=1.37" in key for key in fused._FAILED)
 
 
-def test_compile_policy(monkeypatch):
+def test_kernel_policy(monkeypatch):
     monkeypatch.delenv(fused.COMPILE_ENV, raising=False)
-    assert not fused.use_compiled("auto", 256 * 8192)  # the tiny demo's loss: a compile would not pay
-    assert fused.use_compiled("auto", 4096 * 32000)
-    assert fused.use_compiled(True, 10) and not fused.use_compiled(False, 10**9)
-    monkeypatch.setenv(fused.COMPILE_ENV, "0")
-    assert not fused.use_compiled("auto", 4096 * 32000)
-    monkeypatch.setenv(fused.COMPILE_ENV, "1")
-    assert fused.use_compiled("auto", 10)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    kind = fused.epilogue_kind
+    # On the CPU the native kernel runs at every size (a build costs about a second, once per machine).
+    assert kind("auto", cpu, torch.bfloat16, 256 * 8192) == "native"
+    assert kind("auto", cpu, torch.float64, 10) == kind(True, cpu, torch.float32, 10) == "native"
+    # Elsewhere inductor, when the call is big enough for a compile to pay (the device is not touched).
+    assert kind("auto", cuda, torch.bfloat16, 256 * 8192) == "eager"
+    assert kind("auto", cuda, torch.bfloat16, 4096 * 32000) == kind(True, cuda, torch.bfloat16, 10) == "inductor"
+    assert kind("auto", cpu, torch.float16, 10) == "eager" and kind(True, cpu, torch.float16, 10) == "inductor"
+    assert kind(False, cpu, torch.float32, 10**9) == "eager" and kind("inductor", cpu, torch.float32, 1) == "inductor"
+    with pytest.raises(ValueError, match="compile='native' runs on the CPU"):
+        kind("native", cuda, torch.bfloat16, 10)
+    with pytest.raises(ValueError, match="compile must be"):
+        kind("yes", cpu, torch.float32, 10)
+    for env, expected in (("0", "eager"), ("1", "native"), ("inductor", "inductor"), ("native", "native")):
+        monkeypatch.setenv(fused.COMPILE_ENV, env)
+        assert kind("auto", cpu, torch.float32, 4096 * 32000) == expected
+
+
+def test_a_kernel_that_cannot_be_built_falls_back(monkeypatch, tmp_path):
+    """No C++ compiler: one warning naming why, then what "auto" runs without the kernel; still exact."""
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(fused, "_NATIVE_WARNED", False)
+    native.reset()
+    try:
+        hs, ht, w_head, labels, weights, _ = make_inputs()
+        kw = TERMS["combined_T"]
+        ref, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **kw)
+        with pytest.warns(UserWarning, match="CPU kernel could not be built.*nonexistent") as caught:
+            for _ in range(2):
+                loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, **kw)
+        assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
+        assert fused.epilogue_kind("auto", torch.device("cpu"), F64, 10) == "eager"
+        assert abs(loss.item() - ref.item()) < 1e-10
+        assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    finally:
+        native.reset()
+
+
+def test_concurrent_builds_share_one_library(tmp_path):
+    """The ranks of one launch may build at once into an empty cache: every process gets a working kernel."""
+    code = (
+        "import torch\n"
+        "from dflash_trainer.loss import native\n"
+        "assert native.load() is not None, native.BUILD_ERROR\n"
+        "print(native.exp_f32(torch.zeros(1)).item(), native.BUILD_SECONDS is not None)\n"
+    )
+    env = dict(os.environ, **{native.CACHE_ENV: str(tmp_path), "OMP_NUM_THREADS": "1"})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert all(out.split()[0] == "1.0" for out, _ in outs)
+    libraries = list(tmp_path.iterdir())
+    assert len(libraries) == 1 and libraries[0].suffix == ".so", libraries  # no temporary files left
+
+
+def test_native_exp_is_accurate():
+    """The kernel's branch-free float exp: within 2 ulp-ish of exp over its range, 0 below it, NaN kept."""
+    x = torch.cat([torch.linspace(-87.0, 88.0, 200_001, dtype=F64), torch.tensor([0.0, -1e-30, 1e-30], dtype=F64)])
+    x32 = x.float()
+    got = native.exp_f32(x32).double()
+    want = torch.exp(x32.double())
+    rel = ((got - want).abs() / want).max().item()
+    assert rel < 4e-7, rel  # float's own rounding is 6e-8
+    edge = native.exp_f32(torch.tensor([-87.5, -100.0, -float("inf"), float("nan")]))
+    assert edge[1].item() == 0.0 and edge[2].item() == 0.0 and math.isnan(edge[3].item())
+    assert 0.0 <= edge[0].item() < 1.2e-38
+
+
+def test_native_kernel_rows_do_not_depend_on_threads():
+    """Rows are independent: the same results bit for bit on one thread or several (a bf16 head)."""
+    hs64, ht64, w64, labels, weights, _ = make_inputs(n=64, h=32, v=3000)
+    hs, ht, w = (x.detach().bfloat16() for x in (hs64, ht64, w64))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            x = hs.clone().requires_grad_()
+            loss, m = fused_draft_loss(x, ht, w, labels, weights.bfloat16(), compile="native", **TERMS["combined_T"])
+            loss.backward()
+            results.append((loss, x.grad, m["kl"], m["cap"]))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
+def test_non_finite_logits_give_a_non_finite_loss(compiled):
+    """A NaN in the student's hidden states must surface as a NaN loss (the trainer's finite check),
+    not vanish in a clamp or a max."""
+    hs, ht, w_head, labels, weights, _ = make_inputs()
+    bad = hs.detach().clone()
+    bad[3, 0] = float("nan")
+    loss, _ = fused_draft_loss(bad, ht, w_head, labels, weights, compile=compiled, **TERMS["combined_T"])
+    assert not math.isfinite(loss.item())
 
 
 def test_grad_output_scaling_and_retain_graph():
@@ -171,7 +275,7 @@ def test_no_grad_does_no_gradient_work():
     assert rec.count("mm") == 1  # CE with data labels: the teacher GEMM is skipped
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@KERNELS
 def test_bf16_deviation_is_bounded(compiled):
     hs64, ht64, w64, labels, weights, _ = make_inputs(n=64, h=32, v=200)
     kw = TERMS["combined_T"]
@@ -187,6 +291,22 @@ def test_bf16_deviation_is_bounded(compiled):
     rel_grad = (hs.grad.double() - ref_grad).norm().item() / ref_grad.norm().item()
     # bf16 inputs and head (8-bit mantissa) with fp32 logits: measured ~3e-3 / ~1e-2 here.
     assert rel_loss < 2e-2 and rel_grad < 5e-2, (rel_loss, rel_grad)
+
+
+def test_native_float32_matches_the_float64_reference():
+    """The float path (fast exp, block sums) against float64, every term, as close as fp32 GEMMs allow."""
+    for name in ("combined_T", "softcap_scale", "cap_tempered"):
+        kw = TERMS[name]
+        hs64, ht64, w64, labels, weights, _ = make_inputs(n=64, h=32, v=3000)
+        ref, ref_m = reference_draft_loss(hs64, ht64, w64, labels, weights, **kw)
+        (ref_grad,) = torch.autograd.grad(ref, hs64)
+        hs = hs64.detach().float().requires_grad_()
+        loss, m = fused_draft_loss(hs, ht64.float(), w64.float(), labels, weights.float(), compile="native", **kw)
+        loss.backward()
+        assert abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-5, name
+        assert (hs.grad.double() - ref_grad).norm().item() / ref_grad.norm().item() < 1e-5, name
+        for key in ("ce", "kl", "cap"):
+            assert abs(m[key].item() - ref_m[key].item()) < 1e-4 * (1 + abs(ref_m[key].item())), (name, key)
 
 
 def test_weights_schedules():
@@ -252,7 +372,8 @@ class OpRecorder(TorchDispatchMode):
         return sum(op == name for op in self.ops)
 
 
-def test_never_allocates_positions_by_vocab():
+@pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
+def test_never_allocates_positions_by_vocab(compiled):
     n, h, v = 4096, 64, 32000
     g = torch.Generator().manual_seed(0)
     hs = torch.randn(n, h, generator=g).requires_grad_()
@@ -260,7 +381,8 @@ def test_never_allocates_positions_by_vocab():
     w_head = torch.randn(v, h, generator=g) * 0.1
     labels = torch.randint(0, v, (n,), generator=g)
     weights = torch.ones(n)
-    with OpRecorder() as rec:  # eager passes: a dispatch mode sees every op (compiled code runs chunk slices only)
+    # A dispatch mode sees every torch op (the native kernel's own scratch is 3 rows of V per thread).
+    with OpRecorder() as rec:
         loss, _ = fused_draft_loss(
             hs,
             ht,
@@ -271,7 +393,7 @@ def test_never_allocates_positions_by_vocab():
             temperature=2.0,
             cap_weight=0.1,
             chunk_size=256,
-            compile=False,
+            compile=compiled,
         )
         loss.backward()
     assert rec.count("mm") >= 3 * (n // 256)  # the work really ran, chunk by chunk

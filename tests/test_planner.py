@@ -92,7 +92,8 @@ def test_drafter_param_count_matches_the_real_drafter(layers, k, heads, kv, hd, 
         {"label_source": "teacher"},
     ],
 )
-def test_loss_workspace_matches_the_fused_loss(terms):
+@pytest.mark.parametrize("kernel", [False, True], ids=["eager", "native"])
+def test_loss_workspace_matches_the_fused_loss(terms, kernel):
     """The fused loss's forward pass, measured by the allocator, against ``loss_workspace`` plus the compacted
     input copies. The vocabulary dominates, so a changed number of [chunk, V] buffers shows at once."""
     n, h, v, chunk = 256, 16, 16384, 64
@@ -116,9 +117,11 @@ def test_loss_workspace_matches_the_fused_loss(terms):
     )
     teacher = ht if w.need_teacher else None  # as loss_of passes it
     _, extra, _ = allocator_peak(
-        lambda: fused_draft_loss(hs, teacher, head, labels, weights, chunk_size=chunk, **terms)
+        lambda: fused_draft_loss(
+            hs, teacher, head, labels, weights, chunk_size=chunk, compile="native" if kernel else False, **terms
+        )
     )
-    predicted = sum(F.loss_workspace(w, v, h, chunk, correct_fraction=1.0).values())
+    predicted = sum(F.loss_workspace(w, v, h, chunk, correct_fraction=1.0, kernel=kernel).values())
     predicted += n * h * 4 * (2 if w.need_teacher else 1)  # index_select copies of the kept rows
     assert abs(predicted / extra - 1) < 0.05, (predicted, extra)
 

@@ -16,16 +16,23 @@ global number of correct rows is only known after the last chunk) plus, per chun
 bytes, about the ``c*V*18`` of DESIGN.md; CAP's correct-row subset and a bf16 head's GEMM output
 reach ``c*V*26`` at worst. Softcap adds one transient in the gradient.
 
-Two implementations of a chunk's element-wise work, same math, tested equal in float64:
+Three implementations of a chunk's element-wise work, same math, tested equal in float64:
 
 - ``_eager_chunk``: separate eager passes (max, exp, sums, the gradient update in place), about a
-  dozen reads or writes of each ``[c, V]`` buffer.
-- ``_chunk_epilogue`` through ``torch.compile`` (inductor: generated C++ on CPU, Triton on GPU): the
-  GEMMs write raw logits in the head's dtype, one generated kernel reads them (upcasting as it reads)
-  in three passes and writes G in the head's dtype for the last GEMM. Buffers: ``c*V*12`` bytes with an
-  fp32 head, ``c*V*6`` with bf16, plus the same CAP subset. Compiled once per loss configuration,
-  dtype and vocabulary (``COMPILE_SECONDS`` records how long); where it cannot compile (no C++
-  compiler, say) it warns once and the eager passes run instead.
+  dozen reads or writes of each ``[c, V]`` buffer. Any device.
+- the native CPU kernel (``loss/native.py``, ``kernels/chunk_epilogue.cpp``): the GEMMs write raw
+  logits in the head's dtype; one row at a time, in the core's cache, it computes one exponential per
+  logit and distribution and writes G in the head's dtype for the last GEMM. Built once per machine
+  with the system's C++ compiler (about a second). The CPU default: with a bf16 head the exponentials
+  are what is left once the GEMMs run at bf16 speed.
+- ``_chunk_epilogue`` through ``torch.compile`` (inductor: Triton on GPU, C++ on CPU): one generated
+  kernel that reads the raw logits in three passes and recomputes exponentials instead of storing
+  them (four or more per logit with KL). The GPU default. Compiled once per loss configuration,
+  dtype and vocabulary (``COMPILE_SECONDS`` records how long).
+
+The two kernels keep ``c*V*12`` bytes of buffers with an fp32 head, ``c*V*6`` with bf16, plus the
+same CAP subset. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
+another implementation.
 """
 
 from __future__ import annotations
@@ -37,17 +44,19 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
+
 # Bytes per chunk element that the chunk loop keeps alive at its worst, used to size chunks from a
 # byte budget: 16-20 for the common cases above, 24 for KL at T != 1 and 26 for CAP with every row
 # correct and a bf16 head (the subset buffers and the bf16 GEMM output), as the planner's allocator
 # log measured; the budget must hold in the worst case.
 BYTES_PER_CHUNK_ELEMENT = 26
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # 256 MiB of chunk workspace when neither chunk_size nor budget is given
-# compile="auto" compiles the chunk epilogue when the call has at least this many logits (N x V): a
-# compile costs 10-40 s once per configuration, which pays off at real vocabularies and batch sizes,
-# not on the tiny demo (256 x 8,192) or in unit tests.
+# Off the CPU, compile="auto" compiles the chunk epilogue with inductor when the call has at least
+# this many logits (N x V): a compile costs 10-40 s once per configuration, which pays off at real
+# vocabularies and batch sizes, not on the tiny demo (256 x 8,192) or in unit tests.
 COMPILE_MIN_LOGITS = 2**24
-COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" override compile="auto"
+COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" / "native" / "inductor" override compile="auto"
 
 
 @dataclass(frozen=True)
@@ -180,27 +189,34 @@ def _eager_chunk(hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, 
     return lse, z_y, s_arg, t_arg, entropy, kl, lambda idx: zs[idx]
 
 
-def _compiled_chunk(epilogue, hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows):
-    """One chunk with the compiled epilogue: the logit GEMMs in the head's dtype, one fused kernel for
-    everything element-wise (``_chunk_epilogue``), then ``G @ W``. Same returns as ``_eager_chunk``;
-    None if the epilogue failed to compile (the caller then runs the eager passes)."""
+def _kernel_chunk(epilogue, hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows):
+    """One chunk with a kernel for the element-wise work: the logit GEMMs in the head's dtype, then
+    ``epilogue`` (``_native_epilogue`` or ``_inductor_epilogue``: row terms, G in the head's dtype),
+    then ``G @ W``. Same returns as ``_eager_chunk``; None if the epilogue failed to compile (the caller
+    then runs the eager passes)."""
     zs_raw = torch.mm(hs_rows, weight.T, out=buffers["zs"])  # [c, V] untransformed
     zt_raw = torch.mm(ht_rows, weight.T, out=buffers["zt"]) if ht_rows is not None else None
     g = buffers["g"] if dh_rows is not None else None
     out = epilogue(zs_raw, zt_raw, y_data, coef, g, t)
     if out is None:
         return None
-    out = _row_terms(out, zs_raw, y_data, t)
     if g is not None:
         if weight.dtype == dh_rows.dtype:
             torch.mm(g, weight, out=dh_rows)
         else:
-            dh_rows.copy_(g @ weight)
+            dh_rows.copy_(torch.mm(g, weight, out=buffers["dh"][: g.shape[0]]))
 
     def logits_of(idx):
         return _transformed(zs_raw[idx].to(coef.dtype), t)
 
     return (*out, logits_of)
+
+
+def _native_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
+    """The row-resident CPU kernel (``loss/native.py``): row terms, G in ``g_out``."""
+    return native.chunk_epilogue(
+        zs_raw, zt_raw, y, coef, g_out, t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap
+    )
 
 
 def _transformed(z: torch.Tensor, t: LossTerms) -> torch.Tensor:
@@ -291,9 +307,10 @@ _FAILED: set[str] = set()
 _compiled_fn = None
 
 
-def _compiled_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
-    """``_chunk_epilogue`` through ``torch.compile`` (inductor: C++ on CPU, Triton on GPU), or None if
-    it cannot compile here (warned once per configuration; the caller falls back to the eager passes)."""
+def _inductor_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
+    """``_chunk_epilogue`` through ``torch.compile`` (inductor: C++ on CPU, Triton on GPU) and
+    ``_row_terms``, or None if it cannot compile here (warned once per configuration; the caller falls
+    back to the eager passes)."""
     global _compiled_fn
     key = (
         f"{zs_raw.device.type} {str(zs_raw.dtype).removeprefix('torch.')} V={zs_raw.shape[1]} "
@@ -312,7 +329,6 @@ def _compiled_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
             out = _compiled_fn(zs_raw, zt_raw, y, coef, g_out, t)
         if _graph_count() > graphs:  # this call compiled (a new configuration, or chunks of 1 row)
             COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
-        return out
     except Exception as e:  # no C++ compiler, an inductor limitation, ...: today's eager passes
         _FAILED.add(key)
         warnings.warn(
@@ -321,6 +337,7 @@ def _compiled_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
             stacklevel=2,
         )
         return None
+    return _row_terms(out, zs_raw, y, t)
 
 
 def _graph_count() -> int:
@@ -329,15 +346,61 @@ def _graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def use_compiled(compile: bool | str, logits: int) -> bool:
-    """Whether a call with ``logits`` = N x V logits runs the compiled epilogue: ``compile`` True/False,
-    or "auto": the environment's DFLASH_LOSS_COMPILE (0/1) if set, else ``logits >= COMPILE_MIN_LOGITS``."""
+def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
+    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "inductor"
+    or "eager", assuming a native kernel can be built (the planner's view; ``epilogue_kind`` checks).
+
+    ``compile``: "native" (the CPU kernel), "inductor", True (the kernel for the device: native on the
+    CPU for bf16/fp32/fp64 heads, else inductor), False (eager passes) or "auto": the environment's
+    DFLASH_LOSS_COMPILE (0, 1, native, inductor) if set, else the native kernel wherever it applies
+    (building it costs about a second, once per machine) and inductor for ``logits`` = N x V >=
+    COMPILE_MIN_LOGITS elsewhere.
+    """
     if compile == "auto":
         env = os.environ.get(COMPILE_ENV, "")
-        if env in ("0", "1"):
-            return env == "1"
-        return logits >= COMPILE_MIN_LOGITS
-    return bool(compile)
+        compile = {"0": False, "1": True, "native": "native", "inductor": "inductor"}.get(env, "auto")
+    if compile not in (True, False, "auto", "native", "inductor"):
+        raise ValueError(
+            f"fused_draft_loss: compile must be 'auto', True, False, 'native' or 'inductor', got {compile!r}"
+        )
+    if compile is False:
+        return "eager"
+    native_fits = device_type == "cpu" and dtype in native.ENTRY
+    if compile == "native" and not native_fits:
+        raise ValueError(
+            f"fused_draft_loss: compile='native' runs on the CPU with a bf16, fp32 or fp64 head, got {dtype} on {device_type}"
+        )
+    if native_fits and compile in (True, "native", "auto"):
+        return "native"
+    if compile in (True, "inductor") or logits >= COMPILE_MIN_LOGITS:
+        return "inductor"
+    return "eager"
+
+
+def epilogue_kind(compile: bool | str, device: torch.device, dtype: torch.dtype, logits: int) -> str:
+    """What a call runs: ``planned_epilogue``, except that a native kernel that cannot be built (warned
+    once) falls back to what "auto" would run without it: inductor for large calls, else eager."""
+    kind = planned_epilogue(compile, device.type, dtype, logits)
+    if kind == "native" and native.load() is None:
+        _warn_native_unavailable()
+        kind = "inductor" if logits >= COMPILE_MIN_LOGITS else "eager"
+    return kind
+
+
+_NATIVE_WARNED = False
+
+
+def _warn_native_unavailable() -> None:
+    global _NATIVE_WARNED
+    if not _NATIVE_WARNED:
+        _NATIVE_WARNED = True
+        warnings.warn(
+            f"fused_draft_loss: the CPU kernel could not be built ({native.BUILD_ERROR}); using another implementation",
+            stacklevel=4,
+        )
+
+
+EPILOGUES = {"native": _native_epilogue, "inductor": _inductor_epilogue, "eager": None}
 
 
 @torch.no_grad()
@@ -349,7 +412,7 @@ def _run_chunks(
     Returns ``(loss, stats, dh)`` where ``stats`` is ``[num_slots or 1, 7]`` float64 sums of
     (rows, ce, kl, entropy of correct rows, correct, agreement, label probability) and ``dh``
     ``[n, H]`` is the gradient of the loss w.r.t. ``hs`` (None unless ``want_grad``). ``compiled``
-    is the compiled chunk epilogue to use (None: the eager passes of ``_eager_chunk``).
+    is the chunk epilogue kernel to use (``EPILOGUES``; None: the eager passes of ``_eager_chunk``).
     """
     n, hidden = hs.shape
     f = torch.promote_types(hs.dtype, torch.float32)
@@ -364,11 +427,14 @@ def _run_chunks(
     c_max, vocab = min(chunk, n), weight.shape[0]
 
     def chunk_buffers(for_compiled: bool) -> dict[str, torch.Tensor]:
-        if for_compiled:  # raw GEMM outputs and G, all in the head's dtype: the kernel upcasts as it reads
-            needed, dtype = (("zs", True), ("zt", ht is not None), ("g", want_grad)), weight.dtype
+        if for_compiled:  # raw GEMM outputs, G and G @ W, all in the head's dtype: the kernel upcasts as it reads
+            needed = (("zs", vocab, True), ("zt", vocab, ht is not None), ("g", vocab, want_grad))
+            needed += (("dh", hidden, want_grad and weight.dtype != f),)
+            dtype = weight.dtype
         else:
-            needed, dtype = (("zs", True), ("p", True), ("zt", ht is not None), ("q", a > 0)), f
-        return {name: torch.empty(c_max, vocab, dtype=dtype, device=dev) for name, need in needed if need}
+            needed = (("zs", vocab, True), ("p", vocab, True), ("zt", vocab, ht is not None), ("q", vocab, a > 0))
+            dtype = f
+        return {name: torch.empty(c_max, cols, dtype=dtype, device=dev) for name, cols, need in needed if need}
 
     buffers = chunk_buffers(compiled is not None)
 
@@ -381,7 +447,7 @@ def _run_chunks(
         ht_rows = ht[rows] if ht is not None else None
         dh_rows = dh[rows] if want_grad else None
         args = (hs[rows], ht_rows, weight, y_data, coef, t, {k: b[:c] for k, b in buffers.items()}, dh_rows)
-        out = _compiled_chunk(compiled, *args) if compiled is not None else None
+        out = _kernel_chunk(compiled, *args) if compiled is not None else None
         if out is None:  # the eager passes; from here on also where the kernel failed to compile
             if compiled is not None:
                 compiled, buffers = None, chunk_buffers(False)
@@ -491,9 +557,10 @@ def fused_draft_loss(
     equals label), ``agreement`` (student argmax equals teacher argmax), ``label_prob``, ``rows``,
     ``correct``; with ``slot_ids`` also ``per_slot`` tensors ``[num_slots]`` of the same.
 
-    ``compile``: run each chunk's element-wise work as one ``torch.compile``d kernel (True), as
-    separate eager passes (False), or decide by size ("auto", see ``use_compiled``). Both give the
-    same results (tested in float64); a configuration that fails to compile falls back to eager.
+    ``compile``: run each chunk's element-wise work in a kernel: "native" (the CPU kernel), "inductor"
+    (``torch.compile``), True (the device's kernel), or as separate eager passes (False); "auto" (the
+    default) chooses, see ``epilogue_kind``. All give the same results (tested in float64); a kernel
+    that cannot be built falls back to another implementation with one warning.
     """
     hs, ht, w_head = student_hidden, teacher_hidden, lm_head_weight
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))
@@ -560,7 +627,7 @@ def fused_draft_loss(
         )
     terms = LossTerms(kl_weight, temperature, cap_weight, cap_temperature, label_source, logit_scale, softcap)
     chunk = chunk_rows(vocab, chunk_size, memory_budget)
-    compiled = _compiled_epilogue if use_compiled(compile, n * vocab) else None
+    compiled = EPILOGUES[epilogue_kind(compile, hs.device, hs.dtype, n * vocab)]
 
     keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
     hs_k = hs.index_select(0, keep)  # differentiable: backward scatters into [N, H]

@@ -458,20 +458,34 @@ def layer_backward_peak(
 # -- loss -----------------------------------------------------------------------------------------
 
 
-def loss_workspace(w: Workload, vocab: int, hidden: int, chunk: int, correct_fraction: float = 1.0) -> dict[str, int]:
+def loss_workspace(
+    w: Workload, vocab: int, hidden: int, chunk: int, correct_fraction: float = 1.0, kernel: bool = False
+) -> dict[str, int]:
     """The fused loss (``loss/fused.py``) on ``n = loss_rows`` rows in chunks of ``c`` rows.
 
-    ``dh_s`` ``[n, H]`` fp32 (twice with CAP); per chunk the reused fp32 ``[c, V]`` buffers ``zs`` and ``p``,
-    ``zt`` when teacher states are given, ``q`` with KL; the largest transient of the chunk loop:
-    the bf16 logits GEMM before its fp32 copy, ``torch.linalg.vecdot``'s elementwise product (entropy,
-    KL cross term), ``logsumexp``'s internal exp and the temperature-scaled copies, ``p``'s bf16 copy for
-    ``G @ W``, and for CAP the correct rows' logits, their ``logsumexp``, ``exp`` and bf16 copy.
-    ``correct_fraction`` is the share of chunk rows whose argmax is already right (CAP's extra work;
-    1.0, the worst case, for planning). This is the loss's ``c*V*16..20`` plus those transients."""
+    ``dh_s`` ``[n, H]`` fp32 (twice with CAP). Per chunk, with ``kernel`` (the native CPU kernel or
+    inductor's, ``loss.fused.planned_epilogue``): the raw student and teacher logits and G, ``[c, V]``
+    in the head dtype, and ``G @ W``'s ``[c, H]`` output before its fp32 copy. Without (the eager
+    passes): the reused fp32 ``[c, V]`` buffers ``zs`` and ``p``, ``zt`` when teacher states are given,
+    ``q`` with KL, and the largest transient of the chunk loop: the bf16 logits GEMM before its fp32
+    copy, ``torch.linalg.vecdot``'s elementwise product (entropy, KL cross term), ``logsumexp``'s
+    internal exp and the temperature-scaled copies, ``p``'s bf16 copy for ``G @ W``. Both: for CAP the
+    correct rows' logits, their ``logsumexp``, ``exp`` and bf16 copy. ``correct_fraction`` is the share
+    of chunk rows whose argmax is already right (CAP's extra work; 1.0, the worst case, for planning).
+    This is the loss's ``c*V*16..20`` eager, ``c*V*6`` (bf16) to ``c*V*12`` (fp32) with a kernel, plus
+    those transients."""
     n = w.loss_rows
     f, t = 4, w.t
     c = max(1, min(chunk, n))
     cv = c * vocab
+    cap = 0
+    if w.cap_weight > 0:
+        nc = int(round(c * correct_fraction))
+        cap = nc * vocab * (2 * f + (t if t != f else 0))  # g = zs[idx], then exp / logsumexp, bf16 copy
+    dh = n * hidden * f * (2 if w.cap_weight > 0 else 1)
+    if kernel:
+        buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0)
+        return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap}
     buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0)
     gemm = cv * t if t != f else 0
     vecdot = cv * f
@@ -481,16 +495,8 @@ def loss_workspace(w: Workload, vocab: int, hidden: int, chunk: int, correct_fra
     if w.cap_temperature != 1.0:
         temp = max(temp, 2 * cv * f)
     grad_copy = cv * t if t != f else 0
-    cap = 0
-    if w.cap_weight > 0:
-        nc = int(round(c * correct_fraction))
-        cap = nc * vocab * (2 * f + (t if t != f else 0))  # g = zs[idx], then exp / logsumexp, bf16 copy
     transient = max(gemm, vecdot, temp, grad_copy, cap)
-    return {
-        "dh": n * hidden * f * (2 if w.cap_weight > 0 else 1),
-        "chunk buffers": buffers * cv * f,
-        "chunk transient": transient,
-    }
+    return {"dh": dh, "chunk buffers": buffers * cv * f, "chunk transient": transient}
 
 
 def loss_inputs_bytes(w: Workload, hidden: int) -> int:
@@ -509,12 +515,14 @@ def loss_backward_bytes(w: Workload, hidden: int) -> int:
     return n * hidden * 4 + (n * hidden * t if t != 4 else 0) + N * hidden * t + (N * hidden * 4 if t != 4 else 0)
 
 
-def chunk_for_budget(w: Workload, vocab: int, hidden: int, budget: int, correct_fraction: float = 1.0) -> int:
+def chunk_for_budget(
+    w: Workload, vocab: int, hidden: int, budget: int, correct_fraction: float = 1.0, kernel: bool = False
+) -> int:
     """Largest chunk whose loss workspace fits ``budget`` bytes (0 if not even one row does)."""
     lo, hi = 0, max(1, w.loss_rows)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if sum(loss_workspace(w, vocab, hidden, mid, correct_fraction).values()) <= budget:
+        if sum(loss_workspace(w, vocab, hidden, mid, correct_fraction, kernel).values()) <= budget:
             lo = mid
         else:
             hi = mid - 1

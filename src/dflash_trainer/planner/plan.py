@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
+from ..loss.fused import planned_epilogue
 from . import formulas as F
 from .shapes import GB, TargetShape, target_param_count
 
@@ -244,7 +247,7 @@ def drafter_phases(
     saved_all = stem_b + sum(kept) + final + out_b
     if w.activation_checkpointing:  # checkpoint inputs: the masks and the first layer's (no-grad) input
         saved_all += masks + Q * h * 4
-    loss_ws = F.loss_workspace(w, d.vocab, h, chunk, correct_fraction)
+    loss_ws = F.loss_workspace(w, d.vocab, h, chunk, correct_fraction, loss_kernel(w, topo, d.vocab))
     loss = {
         **static,
         act_name: saved_all,
@@ -389,6 +392,14 @@ def usable_for_peak(topo: Topology) -> int:
     return int((topo.memory - _runtime(topo)) / (1 + topo.allocator_margin))
 
 
+def loss_kernel(w: F.Workload, topo: Topology, vocab: int) -> bool:
+    """Whether the fused loss will run a kernel for its element-wise work on this device (the native
+    CPU kernel, or inductor's for large calls elsewhere), which keeps its chunk buffers in the head
+    dtype; else the eager passes' fp32 buffers."""
+    head_dtype = getattr(torch, w.target_dtype)
+    return planned_epilogue("auto", topo.device, head_dtype, w.loss_rows * vocab) != "eager"
+
+
 def derive_chunk(
     s: TargetShape, w: F.Workload, topo: Topology, layer_ids: list[int], correct_fraction: float = 1.0
 ) -> tuple[int, int]:
@@ -399,7 +410,8 @@ def derive_chunk(
     loss = probe["loss"]
     without = sum(loss.values()) - loss["fused loss workspace"]
     budget = usable_for_peak(topo) - without
-    fit = F.chunk_for_budget(w, s.vocab_size, s.hidden_size, budget, correct_fraction) if budget > 0 else 0
+    kernel = loss_kernel(w, topo, s.vocab_size)
+    fit = F.chunk_for_budget(w, s.vocab_size, s.hidden_size, budget, correct_fraction, kernel) if budget > 0 else 0
     chunk = min(w.loss_rows, MAX_DERIVED_CHUNK, fit) if fit else min(w.loss_rows, 128)
     return max(1, chunk), fit
 

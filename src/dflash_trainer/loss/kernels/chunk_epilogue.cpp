@@ -1,0 +1,335 @@
+// The fused draft loss's element-wise work on the CPU, one row at a time (built and called by
+// dflash_trainer/loss/native.py; the math is _chunk_epilogue's in fused.py, tested equal in float64).
+//
+// Why a hand-written kernel: with a bf16 head the chunk's GEMMs run at 5x the fp32 rate, and what is
+// left is the exponentials. Code generated from whole-chunk tensor expressions recomputes them (four or
+// more per logit with KL); this kernel walks one row while it stays in the core's cache and computes
+// exactly one exponential per logit and distribution (plus one per logit for T != 1 or Tc != 1):
+//
+//   pass 1  raw logits (head dtype) -> transformed z (scale, softcap) in scratch, row max, argmax
+//   pass 2  e = exp(z - max) for student and teacher: the sums every loss term needs
+//   pass 3  the gradient G w.r.t. the raw logits, from the stored e, in the head dtype
+//
+// Row results: lse, z_y, entropy (CAP statistic), KL, student and teacher argmax. The compute type is
+// float for bf16/fp32 heads (sums accumulated in blocks, then in double) and double for fp64 heads.
+// Plain C++ for the compiler's auto-vectorizer (-O3 -march=native -fopenmp-simd); no libraries.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+constexpr int64_t BLOCK = 1024;  // elements summed in the compute type before the sum moves to double
+
+inline float load(bf16 x) {
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+inline float load(float x) { return x; }
+inline double load(double x) { return x; }
+
+template <typename I, typename C>
+inline I store(C x);
+template <>
+inline bf16 store<bf16, float>(float x) {  // round to nearest even, as torch does; NaN stays NaN
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return x != x ? bf16(0x7FC0) : bf16(rounded);
+}
+template <>
+inline float store<float, float>(float x) { return x; }
+template <>
+inline double store<double, double>(double x) { return x; }
+
+// exp for float: 2^n e^r with n = round(x log2 e), r = x - n ln 2 (Cody-Waite split), e^r by its Taylor
+// polynomial of degree 7 (truncation 5e-9 relative on |r| <= ln2/2, below float rounding). Branch-free
+// so that loops calling it vectorize; exp(x) = 0 below -87 (the smallest normal float is e^-87.3), NaN
+// stays NaN (both comparisons are false for NaN, and NaN flows through the polynomial).
+inline float exp_c(float x) {
+    const float lo = -87.0f, hi = 88.0f, magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    float xc = x < lo ? lo : (x > hi ? hi : x);
+    float t = xc * 1.44269504088896341f + magic;
+    int32_t tbits;
+    std::memcpy(&tbits, &t, 4);
+    int32_t n = tbits - 0x4B400000;  // the integer round(x log2 e), read off the mantissa of t
+    float nf = t - magic;
+    float r = xc - nf * 0.693359375f;  // ln 2 = 0.693359375 - 2.12194440e-4, the first part exact in float
+    r = r + nf * 2.12194440e-4f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t sbits = (n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &sbits, 4);
+    return x < lo ? 0.0f : p * scale;
+}
+inline double exp_c(double x) { return std::exp(x); }
+
+struct Terms {
+    double kl_weight, temperature, cap_temperature, logit_scale, softcap;  // softcap <= 0: none
+};
+
+// A row of logits as the passes read it: raw head-dtype values times the logit scale (S = the head
+// dtype), or, with a softcap, values already transformed into scratch by pass 1 (S = C, scale 1).
+// Re-reading the raw row is cheaper than storing a float copy of it: 2 bytes per logit instead of 4.
+template <typename S, typename C>
+struct Logits {
+    const S* p;
+    C scale;
+    C operator[](int64_t j) const { return load(p[j]) * scale; }
+};
+
+// Pass 1: the row maximum, and the index of its first occurrence in *argmax.
+template <typename S, typename C>
+C row_max(Logits<S, C> z, int64_t V, int64_t* argmax) {
+    static thread_local std::vector<C> block_max;
+    block_max.resize((V + BLOCK - 1) / BLOCK);
+    C m = -std::numeric_limits<C>::infinity();
+    for (int64_t b0 = 0, b = 0; b0 < V; b0 += BLOCK, ++b) {
+        const int64_t b1 = b0 + BLOCK < V ? b0 + BLOCK : V;
+        C mb = -std::numeric_limits<C>::infinity();
+#pragma omp simd reduction(max : mb)
+        for (int64_t j = b0; j < b1; ++j) {
+            const C v = z[j];
+            mb = v > mb ? v : mb;
+        }
+        block_max[b] = mb;
+        m = mb > m ? mb : m;
+    }
+    *argmax = 0;  // a row of NaN has no maximum; its loss is NaN anyway
+    for (int64_t b0 = 0, b = 0; b0 < V; b0 += BLOCK, ++b) {
+        if (block_max[b] != m) continue;
+        const int64_t b1 = b0 + BLOCK < V ? b0 + BLOCK : V;
+        for (int64_t j = b0; j < b1; ++j) {
+            if (z[j] == m) {
+                *argmax = j;
+                return m;
+            }
+        }
+    }
+    return m;
+}
+
+// The softcap z = cap tanh(scale raw / cap), into scratch (tanh is the costly part: done once per logit).
+template <typename I, typename C>
+void softcapped(const I* raw, int64_t V, double scale, double cap, C* z) {
+    const C k = C(scale / cap), c = C(cap);
+    for (int64_t j = 0; j < V; ++j) z[j] = c * std::tanh(load(raw[j]) * k);
+}
+
+// Pass 2: the row sums. With d = z - m_s (student) and u = (zt - m_t) / T (teacher):
+//   s[0] = sum e^d, s[1] = sum e^d d                    (softmax normalizer, entropy at Tc = 1)
+//   s[2] = sum e^u, s[3] = sum e^u u, s[4] = sum e^u d  (teacher normalizer, its entropy, cross term)
+//   s[5] = sum e^(d/T)                                  (tempered student normalizer, T != 1)
+//   s[6] = sum e^(d/Tc), s[7] = sum e^(d/Tc) d          (CAP entropy at Tc != 1)
+// e^d goes to es, e^u to eu (only the gradient pass reads them).
+template <bool KL, bool TEMPERED, bool CAP_TEMPERED, typename S, typename C>
+void row_sums(Logits<S, C> z, Logits<S, C> zt, C* es, C* eu, int64_t V, C m_s, C m_t, C inv_t, C inv_tc,
+              double* s) {
+    for (int k = 0; k < 8; ++k) s[k] = 0.0;
+    for (int64_t b0 = 0; b0 < V; b0 += BLOCK) {
+        const int64_t b1 = b0 + BLOCK < V ? b0 + BLOCK : V;
+        C a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, a4, a5, a6, a7)
+        for (int64_t j = b0; j < b1; ++j) {
+            const C d = z[j] - m_s;
+            const C e = exp_c(d);
+            es[j] = e;
+            a0 += e;
+            a1 += e * d;
+            if (KL) {
+                const C u = (zt[j] - m_t) * inv_t;
+                const C q = exp_c(u);
+                eu[j] = q;
+                a2 += q;
+                a3 += q * u;
+                a4 += q * d;
+            }
+            if (TEMPERED) a5 += exp_c(d * inv_t);
+            if (CAP_TEMPERED) {
+                const C ec = exp_c(d * inv_tc);
+                a6 += ec;
+                a7 += ec * d;
+            }
+        }
+        s[0] += a0, s[1] += a1, s[2] += a2, s[3] += a3, s[4] += a4, s[5] += a5, s[6] += a6, s[7] += a7;
+    }
+}
+
+// Pass 3: G = coef [ (1-a)(p - e_y) + a T (p^T - q) ] * dz/draw, written in the head dtype, where
+// p = es / sum_s, q = eu / sum_u, p^T = e^(d/T) / sum_T and dz/draw = scale (1 - (z/cap)^2).
+// The label's -e_y term is added afterwards, at one element.
+template <bool KL, bool GENERAL, typename S, typename I, typename C>
+void row_gradient(Logits<S, C> z, const C* es, const C* eu, int64_t V, C m_s, C k_p, C k_q, C k_pt, C inv_t,
+                  C inv_sum_t_pt, C scale, C inv_cap, bool softcap, I* g) {
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+        C v = k_p * es[j];
+        if (KL) v -= k_q * eu[j];
+        if (GENERAL) {
+            const C zj = z[j];
+            if (KL) v += k_pt * exp_c((zj - m_s) * inv_t) * inv_sum_t_pt;
+            C chain = scale;
+            if (softcap) {
+                const C r = zj * inv_cap;
+                chain = scale * (C(1) - r * r);
+            }
+            v *= chain;
+        } else {
+            v *= scale;
+        }
+        g[j] = store<I>(v);
+    }
+}
+
+// Rows [r0, r1) of a chunk, on one thread, reading the logits through views of type Logits<S, C>:
+// S = I (the raw rows) without a softcap, S = C (transformed copies in scratch) with one.
+template <bool SOFTCAP, typename S, typename I, typename C>
+void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int64_t V, const int64_t* labels,
+                   const C* coef, I* g, const Terms& t, C* lse, C* z_y, C* entropy, C* kl, int64_t* s_arg,
+                   int64_t* t_arg) {
+    const double a = t.kl_weight, T = t.temperature, Tc = t.cap_temperature;
+    const bool kl_on = zt_raw != nullptr && a > 0, tempered = kl_on && T != 1.0, cap_tempered = Tc != 1.0;
+    const bool softcap = SOFTCAP;
+    static thread_local std::vector<C> scratch;  // e^d, e^u, and with a softcap both rows' z: reused across calls
+    scratch.resize((softcap ? 4 : 2) * V);
+    C *es = scratch.data(), *eu = es + V;
+    for (int64_t r = r0; r < r1; ++r) {
+        Logits<S, C> z, zt;
+        if constexpr (!SOFTCAP) {  // the raw rows, scaled as they are read
+            z = {zs_raw + r * V, C(t.logit_scale)};
+            zt = {zt_raw == nullptr ? nullptr : zt_raw + r * V, C(t.logit_scale)};
+        } else {
+            C *zs_cap = eu + V, *zt_cap = eu + 2 * V;
+            softcapped(zs_raw + r * V, V, t.logit_scale, t.softcap, zs_cap);
+            if (zt_raw != nullptr) softcapped(zt_raw + r * V, V, t.logit_scale, t.softcap, zt_cap);
+            z = {zs_cap, C(1)};
+            zt = {zt_cap, C(1)};
+        }
+        const C m_s = row_max(z, V, &s_arg[r]);
+        C m_t = 0;
+        if (zt_raw != nullptr) m_t = row_max(zt, V, &t_arg[r]);
+        const int64_t y = labels != nullptr ? labels[r] : t_arg[r];
+        z_y[r] = z[y];
+
+        double s[8];
+        const C inv_t = C(1.0 / T), inv_tc = C(1.0 / Tc);
+        // The combinations of (KL, T != 1, Tc != 1): each inner loop holds only the work it needs.
+        const int variant = (kl_on ? 4 : 0) | (tempered ? 2 : 0) | (cap_tempered ? 1 : 0);
+        switch (variant) {
+            case 0: row_sums<false, false, false>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
+            case 1: row_sums<false, false, true>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
+            case 4: row_sums<true, false, false>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
+            case 5: row_sums<true, false, true>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
+            case 6: row_sums<true, true, false>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
+            case 7: row_sums<true, true, true>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
+            default: break;  // T != 1 without KL: refused by chunk()
+        }
+        const double log_sum = std::log(s[0]);
+        lse[r] = C(double(m_s) + log_sum);
+        entropy[r] = cap_tempered ? C(std::log(s[6]) - s[7] / (Tc * s[6])) : C(log_sum - s[1] / s[0]);
+        // KL(q^T || p^T) = sum q log q - sum q log p^T = (s3/s2 - log s2) - (s4 / (T s2) - log sum_T)
+        const double log_sum_t_pt = tempered ? std::log(s[5]) : log_sum;
+        kl[r] = kl_on ? C(s[3] / s[2] - std::log(s[2]) - s[4] / (T * s[2]) + log_sum_t_pt) : C(0);
+
+        if (g == nullptr) continue;
+        const double c = coef[r];
+        // T = 1: (1-a) p + a (p - q) = p - a q. T != 1: (1-a) p + a T (p^T - q).
+        const C k_p = C(c * (tempered ? 1 - a : 1.0) / s[0]);
+        const C k_q = kl_on ? C(c * a * (tempered ? T : 1.0) / s[2]) : C(0);
+        const C k_pt = C(c * a * T), inv_sum_t_pt = tempered ? C(1.0 / s[5]) : C(0);
+        const bool general = tempered || softcap;
+        const C scale = C(t.logit_scale), inv_cap = C(softcap ? 1.0 / t.softcap : 0.0);
+        I* g_row = g + r * V;
+        const auto args = std::make_tuple(z, es, eu, V, m_s, k_p, k_q, k_pt, inv_t, inv_sum_t_pt, scale, inv_cap,
+                                          softcap, g_row);
+        if (kl_on && general)
+            std::apply(row_gradient<true, true, S, I, C>, args);
+        else if (kl_on)
+            std::apply(row_gradient<true, false, S, I, C>, args);
+        else if (general)
+            std::apply(row_gradient<false, true, S, I, C>, args);
+        else
+            std::apply(row_gradient<false, false, S, I, C>, args);
+        // The label's term, -coef (1-a) e_y, at one element: recompute G_y in the compute type.
+        C v = k_p * es[y];
+        if (kl_on) v -= k_q * eu[y];
+        if (tempered) v += k_pt * exp_c((z[y] - m_s) * inv_t) * inv_sum_t_pt;
+        v -= C(c * (1 - a));
+        const C r_y = z[y] * inv_cap;
+        g_row[y] = store<I>(v * (softcap ? scale * (C(1) - r_y * r_y) : scale));
+    }
+}
+
+// A chunk's rows split across `threads` threads: OpenMP's, the same runtime and pool as torch's where
+// the library was built with -fopenmp (libgomp is found by its soname, already loaded by torch).
+template <typename I, typename C>
+int chunk(const I* zs_raw, const I* zt_raw, int64_t rows, int64_t V, const int64_t* labels, const C* coef, I* g,
+          const Terms& t, int threads, C* lse, C* z_y, C* entropy, C* kl, int64_t* s_arg, int64_t* t_arg) {
+    if (t.temperature != 1.0 && !(zt_raw != nullptr && t.kl_weight > 0)) return 1;
+    if (threads < 1) threads = 1;
+    if (threads > rows) threads = int(rows);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int i = 0; i < threads; ++i) {
+        const int64_t r0 = rows * i / threads, r1 = rows * (i + 1) / threads;
+        if (t.softcap > 0)
+            rows_of_chunk<true, C>(zs_raw, zt_raw, r0, r1, V, labels, coef, g, t, lse, z_y, entropy, kl, s_arg, t_arg);
+        else
+            rows_of_chunk<false, I>(zs_raw, zt_raw, r0, r1, V, labels, coef, g, t, lse, z_y, entropy, kl, s_arg, t_arg);
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One entry point per (head dtype, compute dtype). Arrays are contiguous rows of V; zt_raw, labels and
+// g may be null (no teacher; teacher labels; no gradient). Returns 0, or 1 for an unsupported request.
+int dflash_chunk_bf16(const bf16* zs, const bf16* zt, int64_t rows, int64_t V, const int64_t* labels,
+                      const float* coef, bf16* g, double a, double T, double Tc, double scale, double cap, int threads,
+                      float* lse, float* z_y, float* entropy, float* kl, int64_t* s_arg, int64_t* t_arg) {
+    return chunk(zs, zt, rows, V, labels, coef, g, Terms{a, T, Tc, scale, cap}, threads, lse, z_y, entropy, kl, s_arg, t_arg);
+}
+
+int dflash_chunk_f32(const float* zs, const float* zt, int64_t rows, int64_t V, const int64_t* labels,
+                     const float* coef, float* g, double a, double T, double Tc, double scale, double cap, int threads,
+                     float* lse, float* z_y, float* entropy, float* kl, int64_t* s_arg, int64_t* t_arg) {
+    return chunk(zs, zt, rows, V, labels, coef, g, Terms{a, T, Tc, scale, cap}, threads, lse, z_y, entropy, kl, s_arg, t_arg);
+}
+
+int dflash_chunk_f64(const double* zs, const double* zt, int64_t rows, int64_t V, const int64_t* labels,
+                     const double* coef, double* g, double a, double T, double Tc, double scale, double cap, int threads,
+                     double* lse, double* z_y, double* entropy, double* kl, int64_t* s_arg, int64_t* t_arg) {
+    return chunk(zs, zt, rows, V, labels, coef, g, Terms{a, T, Tc, scale, cap}, threads, lse, z_y, entropy, kl, s_arg, t_arg);
+}
+
+// Whether the rows of a chunk run on OpenMP threads (else one thread: the caller splits them).
+int dflash_openmp() {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// The float exponential above over n values, for its accuracy test.
+void dflash_exp_f32(const float* x, float* out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = exp_c(x[i]);
+}
+
+}  // extern "C"

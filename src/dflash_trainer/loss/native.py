@@ -1,0 +1,201 @@
+"""The CPU kernel for a chunk's element-wise work: build once per machine, load, call on row ranges.
+
+``kernels/chunk_epilogue.cpp`` is plain C++ (no torch headers): the system's C++ compiler builds it in
+about a second into a shared library cached on disk, keyed by the source, the compiler and the CPU
+(it is built with ``-march=native``); ``ctypes`` loads it. A chunk's rows are split across
+``torch.get_num_threads()`` threads: OpenMP's inside the kernel (built with ``-fopenmp``, it binds to the
+``libgomp`` torch has loaded, so both share one thread pool instead of competing for the cores), or,
+where the compiler has no OpenMP, Python threads (a ``ctypes`` call releases the GIL).
+
+``DFLASH_KERNEL_CACHE`` sets the cache folder (default ``~/.cache/dflash-trainer/kernels``), ``CXX``
+the compiler (default ``c++``). ``load()`` returns None, and ``BUILD_ERROR`` says why, where the
+kernel cannot be built; the loss then uses another implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels") / "chunk_epilogue.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
+OPENMP_FLAGS = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the kernel without it
+CACHE_ENV = "DFLASH_KERNEL_CACHE"
+# Head dtype -> (entry point, compute dtype of the row results).
+ENTRY = {
+    torch.bfloat16: ("dflash_chunk_bf16", torch.float32),
+    torch.float32: ("dflash_chunk_f32", torch.float32),
+    torch.float64: ("dflash_chunk_f64", torch.float64),
+}
+
+BUILD_SECONDS: float | None = None  # what building took in this process (None: loaded from the cache or not built)
+BUILD_ERROR: str | None = None
+_library: ctypes.CDLL | None = None
+_tried = False
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the architecture and, on Linux, the CPU's model and flags."""
+    parts = [platform.machine()]
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                parts.append(line)
+                if len(parts) >= 3:
+                    break
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def _compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def library_path() -> Path:
+    """Where the built kernel for this source, compiler and CPU lives (built or not)."""
+    cxx = os.environ.get("CXX", "c++")
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), _compiler_version(cxx), " ".join(FLAGS), _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    return _cache_root() / f"chunk_epilogue-{key}.so"
+
+
+def _cache_root() -> Path:
+    """``DFLASH_KERNEL_CACHE``, else ``~/.cache/dflash-trainer/kernels``, else (a read-only home) a temp folder."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    home = Path.home() / ".cache" / "dflash-trainer" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"dflash-trainer-kernels-{os.getuid()}"
+
+
+def _build(target: Path) -> None:
+    """Compile into a temporary file next to ``target``, then rename: concurrent builders (the ranks of
+    one launch) each write their own file and the last rename wins, with identical contents."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        for extra in (OPENMP_FLAGS, ()):
+            out = subprocess.run(
+                [cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            )
+            if out.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{cxx} failed: {out.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None (and ``BUILD_ERROR`` set) where it cannot be built."""
+    global _library, _tried, BUILD_SECONDS, BUILD_ERROR
+    if _tried:
+        return _library
+    _tried = True
+    try:
+        path = library_path()
+        if not path.exists():
+            t0 = time.perf_counter()
+            _build(path)
+            BUILD_SECONDS = time.perf_counter() - t0
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        BUILD_ERROR = f"{type(e).__name__}: {e}"
+        return None
+    ptr, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+    for name, _ in ENTRY.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, f64, f64, f64, f64, f64, i32, ptr, ptr, ptr, ptr, ptr, ptr]
+        fn.restype = ctypes.c_int
+    lib.dflash_openmp.restype = ctypes.c_int
+    lib.dflash_exp_f32.argtypes = [ptr, ptr, i64]
+    lib.dflash_exp_f32.restype = None
+    _library = lib
+    return lib
+
+
+def reset() -> None:
+    """Forget the loaded library so that the next ``load()`` tries again (tests change CXX or the cache)."""
+    global _library, _tried, BUILD_SECONDS, BUILD_ERROR
+    _library, _tried, BUILD_SECONDS, BUILD_ERROR = None, False, None, None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernel handles raw logits like ``x`` (CPU, bf16/fp32/fp64) and is built."""
+    return x.device.type == "cpu" and x.dtype in ENTRY and load() is not None
+
+
+def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_temperature, logit_scale, softcap):
+    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``.
+
+    ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (head dtype, contiguous; ``zt_raw`` may be None), ``y``
+    ``[c]`` int64 data labels or None (teacher labels), ``coef`` ``[c]`` = w / sum w in the compute
+    dtype, ``g_out`` ``[c, V]`` head dtype or None. Same math as ``fused._chunk_epilogue`` + ``_row_terms``.
+    """
+    lib = load()
+    name, compute = ENTRY[zs_raw.dtype]
+    c, vocab = zs_raw.shape
+    tensors = [x for x in (zs_raw, zt_raw, y, g_out) if x is not None]
+    if not all(x.is_contiguous() for x in tensors) or coef.dtype != compute:
+        raise ValueError("chunk_epilogue: contiguous inputs and a coef in the compute dtype are required")
+    y = None if y is None else y.to(torch.int64).contiguous()
+    coef = coef.contiguous()
+    lse, z_y, entropy, kl = (torch.empty(c, dtype=compute) for _ in range(4))
+    s_arg, t_arg = torch.empty(c, dtype=torch.int64), torch.full((c,), -1, dtype=torch.int64)
+    fn = getattr(lib, name)
+    terms = (kl_weight, temperature, cap_temperature, logit_scale, softcap or 0.0)
+
+    def rows(r0: int, r1: int, threads: int = 1) -> int:
+        def at(x, row_len):  # address of row r0 of x
+            return None if x is None else x.data_ptr() + r0 * row_len * x.element_size()
+
+        return fn(
+            at(zs_raw, vocab), at(zt_raw, vocab), r1 - r0, vocab, at(y, 1), at(coef, 1), at(g_out, vocab),
+            *terms, threads, at(lse, 1), at(z_y, 1), at(entropy, 1), at(kl, 1), at(s_arg, 1), at(t_arg, 1),
+        )  # fmt: skip
+
+    threads = min(torch.get_num_threads(), c)
+    if threads <= 1 or lib.dflash_openmp():
+        codes = [rows(0, c, threads)]
+    else:
+        global _pool
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dflash-loss")
+        bounds = [c * i // threads for i in range(threads + 1)]
+        codes = list(_pool.map(rows, bounds[:-1], bounds[1:]))
+    if any(codes):
+        raise ValueError(f"chunk_epilogue: the kernel refused terms {terms}")
+    return lse, z_y, s_arg, (t_arg if zt_raw is not None else None), entropy, kl
+
+
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's float exponential, elementwise (for its accuracy test)."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    load().dflash_exp_f32(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
