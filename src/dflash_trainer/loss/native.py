@@ -2,7 +2,7 @@
 
 ``kernels/chunk_epilogue.cpp`` is plain C++ (no torch headers): the system's C++ compiler builds it in
 about a second into a shared library cached on disk, keyed by the source, the compiler and the CPU
-(it is built with ``-march=native``); ``ctypes`` loads it. A chunk's rows are split across
+(it is built with ``-march=native`` where the compiler takes it); ``ctypes`` loads it. A chunk's rows are split across
 ``torch.get_num_threads()`` threads: OpenMP's inside the kernel (built with ``-fopenmp``, it binds to the
 ``libgomp`` torch has loaded, so both share one thread pool instead of competing for the cores), or,
 where the compiler has no OpenMP, Python threads (a ``ctypes`` call releases the GIL).
@@ -28,8 +28,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "chunk_epilogue.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
-OPENMP_FLAGS = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the kernel without it
+FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
+# Tried in order: a compiler without OpenMP builds the kernel single-threaded (Python threads split the
+# rows), one without -march=native (some clang targets) for the baseline instruction set.
+OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
 CACHE_ENV = "DFLASH_KERNEL_CACHE"
 # Head dtype -> (entry point, compute dtype of the row results).
 ENTRY = {
@@ -68,7 +70,9 @@ def library_path() -> Path:
     """Where the built kernel for this source, compiler and CPU lives (built or not)."""
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), _compiler_version(cxx), " ".join(FLAGS), _cpu_signature()]).encode()
+        "\n".join(
+            [SOURCE.read_text(), _compiler_version(cxx), repr((FLAGS, OPTIONAL_FLAGS)), _cpu_signature()]
+        ).encode()
     ).hexdigest()[:16]
     return _cache_root() / f"chunk_epilogue-{key}.so"
 
@@ -97,7 +101,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        for extra in (OPENMP_FLAGS, ()):
+        for extra in OPTIONAL_FLAGS:
             out = subprocess.run(
                 [cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
             )
@@ -145,11 +149,6 @@ def reset() -> None:
     _library, _tried, BUILD_SECONDS, BUILD_ERROR = None, False, None, None
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether the kernel handles raw logits like ``x`` (CPU, bf16/fp32/fp64) and is built."""
-    return x.device.type == "cpu" and x.dtype in ENTRY and load() is not None
-
-
 def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_temperature, logit_scale, softcap):
     """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``.
 
@@ -189,7 +188,7 @@ def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_t
         bounds = [c * i // threads for i in range(threads + 1)]
         codes = list(_pool.map(rows, bounds[:-1], bounds[1:]))
     if any(codes):
-        raise ValueError(f"chunk_epilogue: the kernel refused terms {terms}")
+        raise ValueError(f"chunk_epilogue: the kernel refused a chunk of shape {tuple(zs_raw.shape)}")
     return lse, z_y, s_arg, (t_arg if zt_raw is not None else None), entropy, kl
 
 

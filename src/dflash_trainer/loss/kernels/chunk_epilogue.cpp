@@ -236,7 +236,7 @@ void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int
             case 5: row_sums<true, false, true>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
             case 6: row_sums<true, true, false>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
             case 7: row_sums<true, true, true>(z, zt, es, eu, V, m_s, m_t, inv_t, inv_tc, s); break;
-            default: break;  // T != 1 without KL: refused by chunk()
+            default: break;  // T != 1 matters only with KL (tempered implies kl_on)
         }
         const double log_sum = std::log(s[0]);
         lse[r] = C(double(m_s) + log_sum);
@@ -279,7 +279,7 @@ void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int
 template <typename I, typename C>
 int chunk(const I* zs_raw, const I* zt_raw, int64_t rows, int64_t V, const int64_t* labels, const C* coef, I* g,
           const Terms& t, int threads, C* lse, C* z_y, C* entropy, C* kl, int64_t* s_arg, int64_t* t_arg) {
-    if (t.temperature != 1.0 && !(zt_raw != nullptr && t.kl_weight > 0)) return 1;
+    if (V < 1 || rows < 0) return 1;
     if (threads < 1) threads = 1;
     if (threads > rows) threads = int(rows);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
