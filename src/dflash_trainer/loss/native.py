@@ -2,10 +2,11 @@
 
 ``kernels/chunk_epilogue.cpp`` is plain C++ (no torch headers): the system's C++ compiler builds it in
 about a second into a shared library cached on disk, keyed by the source, the compiler and the CPU
-(it is built with ``-march=native`` where the compiler takes it); ``ctypes`` loads it. A chunk's rows are split across
-``torch.get_num_threads()`` threads: OpenMP's inside the kernel (built with ``-fopenmp``, it binds to the
-``libgomp`` torch has loaded, so both share one thread pool instead of competing for the cores), or,
-where the compiler has no OpenMP, Python threads (a ``ctypes`` call releases the GIL).
+(it is built with ``-march=native`` where the compiler takes it); ``ctypes`` loads it. A chunk's rows
+are split across ``torch.get_num_threads()`` threads: OpenMP's inside the kernel (built with
+``-fopenmp``, it binds to the ``libgomp`` torch has loaded, so both share one thread pool instead of
+competing for the cores), or, where the compiler has no OpenMP, Python threads (a ``ctypes`` call
+releases the GIL).
 
 ``DFLASH_KERNEL_CACHE`` sets the cache folder (default ``~/.cache/dflash-trainer/kernels``), ``CXX``
 the compiler (default ``c++``). ``load()`` returns None, and ``BUILD_ERROR`` says why, where the
