@@ -145,6 +145,8 @@ def test_kernel_policy(monkeypatch):
     for env, expected in (("0", "eager"), ("1", "native"), ("inductor", "inductor"), ("native", "native")):
         monkeypatch.setenv(fused.COMPILE_ENV, env)
         assert kind("auto", cpu, torch.float32, 4096 * 32000) == expected
+    monkeypatch.setenv(fused.COMPILE_ENV, "native")  # the environment asks for it where it applies
+    assert kind("auto", cuda, torch.bfloat16, 4096 * 32000) == "inductor"
 
 
 def test_a_kernel_that_cannot_be_built_falls_back(monkeypatch, tmp_path):

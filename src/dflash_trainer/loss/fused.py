@@ -352,20 +352,21 @@ def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, 
 
     ``compile``: "native" (the CPU kernel), "inductor", True (the kernel for the device: native on the
     CPU for bf16/fp32/fp64 heads, else inductor), False (eager passes) or "auto": the environment's
-    DFLASH_LOSS_COMPILE (0, 1, native, inductor) if set, else the native kernel wherever it applies
+    DFLASH_LOSS_COMPILE (0, 1, inductor, or native where it applies) if set, else the native kernel where it applies
     (building it costs about a second, once per machine) and inductor for ``logits`` = N x V >=
     COMPILE_MIN_LOGITS elsewhere.
     """
-    if compile == "auto":
+    native_fits = device_type == "cpu" and dtype in native.ENTRY
+    if compile == "auto":  # the environment asks for the native kernel where it applies
         env = os.environ.get(COMPILE_ENV, "")
-        compile = {"0": False, "1": True, "native": "native", "inductor": "inductor"}.get(env, "auto")
+        by_env = {"0": False, "1": True, "native": "native" if native_fits else "auto", "inductor": "inductor"}
+        compile = by_env.get(env, "auto")
     if compile not in (True, False, "auto", "native", "inductor"):
         raise ValueError(
             f"fused_draft_loss: compile must be 'auto', True, False, 'native' or 'inductor', got {compile!r}"
         )
     if compile is False:
         return "eager"
-    native_fits = device_type == "cpu" and dtype in native.ENTRY
     if compile == "native" and not native_fits:
         raise ValueError(
             f"fused_draft_loss: compile='native' runs on the CPU with a bf16, fp32 or fp64 head, got {dtype} on {device_type}"
