@@ -354,6 +354,10 @@ def main() -> int:
         (RESULTS / "planner.md").write_text(markdown(data["rows"], data["meta"], descriptions))
         return 0
     chosen = [(c, d) for c, d in CASES if not args.quick or c.name in QUICK]
+    # The planner's parameter count imports these lazily; transformers' lazy module is not safe to
+    # resolve from two threads at once (an ImportError), so resolve them here first.
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(lambda cd: run(cd[0]), chosen))
     for r in rows:
