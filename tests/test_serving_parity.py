@@ -200,6 +200,49 @@ def test_speculators_cannot_load_the_verifier_name_tiny(speculators_logits):
 # ---------------------------------------------------------------------------------------------------
 
 
+def test_speculators_serves_gemma_drafters_on_the_raw_embedding_table(tmp_path):
+    """Why a target that scales its embeddings (Gemma: sqrt(hidden)) is a speculators mismatch: the
+    package's from_pretrained reloads embed_tokens from the verifier's raw table, so the scaled rows the
+    export writes (and the drafter trained on) are not what it drafts from. Export refuses; with
+    --allow-mismatch the export records it."""
+    from families import build_family
+    from transformers import AutoTokenizer
+
+    from dflash_trainer.errors import UserError
+    from dflash_trainer.model.target import embedding_scale
+
+    python = speculators_python()
+    folder = tmp_path / "gemma3"
+    model = build_family("gemma3", folder)
+    scale = embedding_scale(model)
+    assert scale > 2  # sqrt(hidden)
+    ckpt = make_checkpoint(model, AutoTokenizer.from_pretrained(folder), tmp_path, "ckpt", {}, [1, 2])
+    kwargs = {"target_model": model, "verifier": str(folder)}
+    with pytest.raises(UserError, match="reloads embed_tokens from the verifier's raw table"):
+        export_checkpoint(ckpt, tmp_path / "refused", "speculators", **kwargs)
+    out = export_checkpoint(ckpt, tmp_path / "spec", "speculators", allow_mismatch=True, **kwargs)
+    assert any("raw table" in m for m in json.loads((out / "config.json").read_text())["dflash_trainer_mismatches"])
+    written = load_file(str(out / "model.safetensors"))["embed_tokens.weight"].float()
+    raw = model.get_input_embeddings().weight.detach().float()
+    assert torch.allclose(written, (raw * scale).bfloat16().float())  # the export holds the trained rows
+
+    (tmp_path / "jobs.json").write_text(json.dumps([{"export": str(out), "output": str(tmp_path / "embed.st")}]))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    run = subprocess.run(
+        [str(python), str(SCRIPT), str(tmp_path / "jobs.json")], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = load_file(str(tmp_path / "embed.st"))
+    assert "embed" in data, bytes(data["error"].tolist()).decode()
+    served = data["embed"]
+    print(
+        f"speculators' embed_tokens vs raw: {(served - raw).abs().max():.2e}; vs trained (x{scale:.3g}) rows: "
+        f"{(served - written).abs().max():.2e}"
+    )
+    assert torch.allclose(served, raw, rtol=1e-2, atol=1e-3)  # the verifier's table, as saved
+    assert not torch.allclose(served, written, rtol=0.1, atol=1e-2)
+
+
 def test_zlab_feature_read_is_post_norm_for_the_last_layer(tiny):
     """z-lab id l = transformers' hidden_states[l + 1]: the hooked (pre-norm) output for l < n - 1, but
     the final-normed hidden state for l = n - 1, which training never saw."""

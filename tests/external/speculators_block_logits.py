@@ -3,7 +3,8 @@ the ``speculators`` package's own ``DFlashDraftModel.from_pretrained`` and write
 
     python speculators_block_logits.py JOBS.json
 
-JOBS.json: a list of ``{"export": DIR, "inputs": FILE, "output": FILE}``. Each INPUTS safetensors holds
+JOBS.json: a list of ``{"export": DIR, "inputs": FILE, "output": FILE}`` (a job without "inputs" writes
+the loaded model's ``embed_tokens`` [V, H] float32 as ``embed`` instead). Each INPUTS safetensors holds
 ``features`` [L, k*H] (the verifier's aux hidden states, float32), ``input_ids`` [L] and ``anchors``
 [n] (each < L - block_size). Each OUTPUT gets ``logits`` [n, B, V] (float32) from speculators'
 anchored-block forward (its own masks, windows and causal-in-block rule), or ``error`` (utf-8 bytes)
@@ -41,9 +42,17 @@ def block_logits(export_dir: str, inputs: dict) -> torch.Tensor:
     return logits[0].reshape(n, model.block_size, -1).float().contiguous()
 
 
+def embed_table(export_dir: str) -> torch.Tensor:
+    model = DFlashDraftModel.from_pretrained(export_dir)
+    return model.embed_tokens.weight.detach().float().contiguous()
+
+
 for job in json.load(open(sys.argv[1])):
     try:
-        result = {"logits": block_logits(job["export"], load_file(job["inputs"]))}
+        if "inputs" in job:
+            result = {"logits": block_logits(job["export"], load_file(job["inputs"]))}
+        else:
+            result = {"embed": embed_table(job["export"])}
     except Exception as exc:  # the test asserts on this text
         text = f"{type(exc).__name__}: {exc}".encode()[:4000]
         result = {"error": torch.tensor(list(text), dtype=torch.uint8)}

@@ -13,7 +13,7 @@ from ..errors import UserError
 from ..export.semantics import config_mismatches
 from ..io import atomic_write_json
 from ..model.loading import load_target_config
-from ..model.target import default_layer_ids
+from ..model.target import config_embedding_scale, default_layer_ids
 from ..planner.preflight import preflight
 from ..training import distributed
 from ..training.checkpoint import read_counters
@@ -163,7 +163,7 @@ def warn_unservable(cfg: RunConfig) -> list[str]:
     )
     lines = [
         f"warning: not servable in the {fmt} format: {m.message} (export.formats names {fmt})"
-        for fmt, found in config_mismatches(cfg, n, list(ids)).items()
+        for fmt, found in config_mismatches(cfg, n, list(ids), config_embedding_scale(text_cfg)).items()
         for m in found
     ]
     for line in lines:

@@ -17,7 +17,9 @@ Both record ``target_transforms`` (``embedding_scale``, ``logit_scale``, ``logit
 drafter trained with through the target's own modules (Gemma multiplies embeddings by sqrt(hidden) and
 soft-caps logits). The speculators folder stores ``embed_tokens.weight`` with the scale already applied
 (``embedding_scale_in_weights``), so a plain lookup gives the rows the drafter trained on; ``--check``
-compares the recorded transforms with the target's.
+compares the recorded transforms with the target's. The speculators package itself replaces that table
+with the verifier's raw one at load, so for targets that scale, the speculators export is a mismatch
+(``semantics.mismatches``).
 
 
 Both also hold ``export_info.json`` (checkpoint, trained layer ids, semantics, accepted mismatches) and
@@ -161,6 +163,7 @@ def export_checkpoint(
     meta = read_checkpoint_config(checkpoint)
     spec = checkpoint_spec(meta)
     target = meta["target"]
+    scale = _scale(target_model, target)
     found = mismatches(
         fmt,
         layer_ids=list(target["layer_ids"]),
@@ -168,6 +171,7 @@ def export_checkpoint(
         sliding_window_layers=spec.sliding_window_layers,
         sliding_window=spec.sliding_window,
         causal_in_block_sliding=spec.causal_in_block_sliding,
+        embedding_scale=scale,
     )
     if found and not allow_mismatch:
         raise UserError(f"cannot export as {fmt}: " + "; ".join(m.message for m in found) + " (or --allow-mismatch)")
@@ -186,7 +190,7 @@ def export_checkpoint(
                 "target_layer_ids": list(target["layer_ids"]),
                 "causal_in_block_sliding": spec.causal_in_block_sliding,
                 "target_model_path": verifier_name,
-                "target_transforms": target_transforms(spec, _scale(target_model, target)),
+                "target_transforms": target_transforms(spec, scale),
             },
         }
         modeling = (resources.files("dflash_trainer.export") / "assets" / "modeling_dflash.py").read_text()
@@ -199,8 +203,8 @@ def export_checkpoint(
             raise UserError(
                 "the checkpoint names no target path: pass --verifier NAME_OR_PATH (a local folder or hub name)"
             )
-        scale = _scale(target_model, target)
         # the drafter looked rows up through the target's module, which scales them (Gemma): bake it in
+        # (what a reader of this file gets; speculators itself reloads the raw table: a mismatch above)
         embed = (target_model.get_input_embeddings().weight.detach().float() * scale).to(torch.bfloat16)
         head = target_model.get_output_embeddings().weight.detach().to(torch.bfloat16)
         config = {
@@ -442,7 +446,7 @@ def check_export(
     as the stack would, and (``smoke``) block logits on real rows against the checkpoint's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..model.target import text_config
+    from ..model.target import config_embedding_scale, text_config
 
     fmt, spec, layer_ids, n_target, cfg = read_export(folder)
     info = read_export_info(folder)
@@ -509,6 +513,7 @@ def check_export(
         sliding_window_layers=spec.sliding_window_layers,
         sliding_window=spec.sliding_window,
         causal_in_block_sliding=spec.causal_in_block_sliding,
+        embedding_scale=config_embedding_scale(tcfg),
     ):
         (notes if m.message in allowed else problems).append(
             f"{'accepted at export: ' if m.message in allowed else ''}{m.message}"

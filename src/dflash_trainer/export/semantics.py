@@ -20,7 +20,11 @@ What the stacks do with an export (read from their code; the README's table list
   pipeline applies the verifier's norm to the id-``n`` capture itself); windows are the last ``W``
   context rows before the anchor, causal inside the block unless ``sliding_window_non_causal`` -- the
   rule trained here. Its converter from the zlab format drops z-lab id ``n - 1``; a direct speculators
-  export keeps it.
+  export keeps it. Its ``from_pretrained`` ends with ``load_verifier_weights()``, which for DFlash
+  overwrites ``embed_tokens`` with the verifier's raw table (speculators 0.9.0: ``model.py``
+  ``from_pretrained``, ``models/dflash/core.py`` ``load_verifier_weights(overwrite_embed_tokens=True)``):
+  a target that scales its embeddings in its embedding module (Gemma: sqrt(hidden)) trains a drafter on
+  scaled rows that this stack serves unscaled, whatever the export writes.
 
 ``mismatches`` names what a format's reference code would compute differently; export refuses those
 unless ``--allow-mismatch`` and training warns about them for the formats in ``export.formats``.
@@ -43,6 +47,7 @@ SEMANTICS: dict[str, dict[str, str]] = {
         "causal_in_block": "not read (dflash_config.causal_in_block_sliding is informational)",
         "mask_token": "dflash_config.mask_token_id",
         "verifier": "none: the caller passes the target; dflash_config.target_model_path is this project's note",
+        "embedding": "the caller embeds the block with the target's own embedding module (its scale included)",
     },
     "speculators": {
         "reader": "speculators' DFlashDraftModel (PyPI speculators 0.9.0), served by vLLM",
@@ -52,6 +57,7 @@ SEMANTICS: dict[str, dict[str, str]] = {
         "causal_in_block": "causal unless sliding_window_non_causal, as trained",
         "mask_token": "mask_token_id",
         "verifier": "speculators_config.verifier.name_or_path, loaded by from_pretrained (local folder or hub)",
+        "embedding": "embed_tokens reloaded from the verifier's raw table at load: no embedding scale",
     },
 }
 
@@ -72,11 +78,23 @@ def mismatches(
     sliding_window_layers: tuple[int, ...] | list[int],
     sliding_window: int,
     causal_in_block_sliding: bool,
+    embedding_scale: float | None = 1.0,
 ) -> list[Mismatch]:
-    """What ``fmt``'s serving stack cannot reproduce of a drafter trained with these settings."""
+    """What ``fmt``'s serving stack cannot reproduce of a drafter trained with these settings.
+    ``embedding_scale``: what the target's embedding module multiplies rows by (None: unknown)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}")
     found: list[Mismatch] = []
+    if fmt == "speculators" and embedding_scale is not None and abs(embedding_scale - 1.0) > 1e-6:
+        found.append(
+            Mismatch(
+                "target embedding scale",
+                f"the target scales its embeddings by {embedding_scale:.6g} and the drafter trained on scaled "
+                "rows, but speculators' from_pretrained reloads embed_tokens from the verifier's raw table "
+                "(load_verifier_weights), so it would draft from unscaled embeddings; export --format zlab "
+                "(its caller embeds through the target's own module)",
+            )
+        )
     if fmt == "zlab":
         if sliding_window_layers:
             causal = ", causal in the block" if causal_in_block_sliding else ""
@@ -103,7 +121,9 @@ def mismatches(
     return found
 
 
-def config_mismatches(cfg, num_target_layers: int, layer_ids: list[int]) -> dict[str, list[Mismatch]]:
+def config_mismatches(
+    cfg, num_target_layers: int, layer_ids: list[int], embedding_scale: float | None = 1.0
+) -> dict[str, list[Mismatch]]:
     """``{format: mismatches}`` for the formats a run's ``export.formats`` names (``cfg``: a RunConfig)."""
     d = cfg.drafter
     return {
@@ -117,6 +137,7 @@ def config_mismatches(cfg, num_target_layers: int, layer_ids: list[int]) -> dict
                 sliding_window_layers=d.sliding_window_layers,
                 sliding_window=d.sliding_window,
                 causal_in_block_sliding=d.causal_in_block_sliding,
+                embedding_scale=embedding_scale,
             )
         )
     }
