@@ -330,3 +330,18 @@ def test_training_warns_about_settings_the_named_formats_cannot_serve(capsys):
     windowed.export.formats = ["speculators"]
     assert warn_unservable(windowed) == []
     assert warn_unservable(RunConfig()) == []  # the defaults serve in both formats
+
+
+def test_training_warns_that_speculators_serves_gemma_drafters_unscaled(tmp_path, capsys):
+    from families import build_family
+
+    build_family("gemma3", tmp_path / "gemma3")
+    cfg = RunConfig.model_validate(
+        {"target": {"path": str(tmp_path / "gemma3"), "layer_ids": [1, 2], "num_feature_layers": 2}}
+    )
+    lines = warn_unservable(cfg)
+    assert (
+        len(lines) == 1 and "not servable in the speculators format: the target scales its embeddings by 8" in lines[0]
+    )
+    cfg.export.formats = ["zlab"]
+    assert warn_unservable(cfg) == []
