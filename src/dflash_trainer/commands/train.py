@@ -161,9 +161,13 @@ def warn_unservable(cfg: RunConfig) -> list[str]:
         if cfg.target.layer_ids is not None
         else default_layer_ids(n, cfg.target.num_feature_layers)
     )
+    try:
+        scale = config_embedding_scale(text_cfg)  # built on the meta device: no weights read
+    except (ValueError, KeyError, TypeError, ImportError):  # a config transformers cannot build: unknown
+        scale = None
     lines = [
         f"warning: not servable in the {fmt} format: {m.message} (export.formats names {fmt})"
-        for fmt, found in config_mismatches(cfg, n, list(ids), config_embedding_scale(text_cfg)).items()
+        for fmt, found in config_mismatches(cfg, n, list(ids), scale).items()
         for m in found
     ]
     for line in lines:
