@@ -249,6 +249,12 @@ def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, re
 def run_efficiency(threads_list: list[int], reps: int, variants: list[str]) -> None:
     n, h, v = SHAPES[0]
     rows = []
+    if "liger" in variants:
+        try:
+            import liger_kernel.chunked_loss  # noqa: F401
+        except ImportError:
+            print("liger: liger-kernel is not installed (pip install -e '.[bench]'); its rows are skipped")
+            variants = [name for name in variants if name != "liger"]
     for threads in threads_list:
         for dtype in (torch.float32, torch.bfloat16):
             print(f"efficiency {dtype} threads={threads} ...", flush=True)
