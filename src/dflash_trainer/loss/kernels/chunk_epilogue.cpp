@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -171,28 +170,37 @@ void row_sums(Logits<S, C> z, Logits<S, C> zt, C* es, C* eu, int64_t V, C m_s, C
 
 // Pass 3: G = coef [ (1-a)(p - e_y) + a T (p^T - q) ] * dz/draw, written in the head dtype, where
 // p = es / sum_s, q = eu / sum_u, p^T = e^(d/T) / sum_T and dz/draw = scale (1 - (z/cap)^2).
-// The label's -e_y term is added afterwards, at one element.
-template <bool KL, bool GENERAL, typename S, typename I, typename C>
-void row_gradient(Logits<S, C> z, const C* es, const C* eu, int64_t V, C m_s, C k_p, C k_q, C k_pt, C inv_t,
-                  C inv_sum_t_pt, C scale, C inv_cap, bool softcap, I* g) {
-#pragma omp simd
-    for (int64_t j = 0; j < V; ++j) {
-        C v = k_p * es[j];
-        if (KL) v -= k_q * eu[j];
-        if (GENERAL) {
-            const C zj = z[j];
-            if (KL) v += k_pt * exp_c((zj - m_s) * inv_t) * inv_sum_t_pt;
-            C chain = scale;
-            if (softcap) {
-                const C r = zj * inv_cap;
-                chain = scale * (C(1) - r * r);
-            }
-            v *= chain;
-        } else {
-            v *= scale;
-        }
-        g[j] = store<I>(v);
+template <typename C>
+struct GradientTerms {
+    C k_p, k_q, k_pt;      // coef (1-a) / sum_s (coef / sum_s at T = 1), coef a (T) / sum_u, coef a T
+    C m_s, inv_t, inv_sum_t_pt;
+    C scale, inv_cap;
+    bool softcap;
+};
+
+// G at logit j with `label` = coef (1-a) subtracted (the -e_y term: nonzero only at the label).
+template <bool KL, bool GENERAL, typename S, typename C>
+inline C gradient_at(const Logits<S, C>& z, const C* es, const C* eu, int64_t j, const GradientTerms<C>& k, C label) {
+    C v = k.k_p * es[j];
+    if (KL) v -= k.k_q * eu[j];
+    if (!GENERAL) return (v - label) * k.scale;
+    const C zj = z[j];
+    if (KL) v += k.k_pt * exp_c((zj - k.m_s) * k.inv_t) * k.inv_sum_t_pt;
+    v -= label;
+    C chain = k.scale;
+    if (k.softcap) {
+        const C r = zj * k.inv_cap;
+        chain = k.scale * (C(1) - r * r);
     }
+    return v * chain;
+}
+
+template <bool KL, bool GENERAL, typename S, typename I, typename C>
+void row_gradient(Logits<S, C> z, const C* es, const C* eu, int64_t V, const GradientTerms<C>& k, int64_t y, C label,
+                  I* g) {
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) g[j] = store<I>(gradient_at<KL, GENERAL>(z, es, eu, j, k, C(0)));
+    g[y] = store<I>(gradient_at<KL, GENERAL>(z, es, eu, y, k, label));
 }
 
 // Rows [r0, r1) of a chunk, on one thread, reading the logits through views of type Logits<S, C>:
@@ -248,29 +256,27 @@ void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int
         if (g == nullptr) continue;
         const double c = coef[r];
         // T = 1: (1-a) p + a (p - q) = p - a q. T != 1: (1-a) p + a T (p^T - q).
-        const C k_p = C(c * (tempered ? 1 - a : 1.0) / s[0]);
-        const C k_q = kl_on ? C(c * a * (tempered ? T : 1.0) / s[2]) : C(0);
-        const C k_pt = C(c * a * T), inv_sum_t_pt = tempered ? C(1.0 / s[5]) : C(0);
-        const bool general = tempered || softcap;
-        const C scale = C(t.logit_scale), inv_cap = C(softcap ? 1.0 / t.softcap : 0.0);
+        const GradientTerms<C> k{
+            C(c * (tempered ? 1 - a : 1.0) / s[0]),
+            kl_on ? C(c * a * (tempered ? T : 1.0) / s[2]) : C(0),
+            C(c * a * T),
+            m_s,
+            inv_t,
+            tempered ? C(1.0 / s[5]) : C(0),
+            C(t.logit_scale),
+            C(softcap ? 1.0 / t.softcap : 0.0),
+            softcap,
+        };
+        const C label = C(c * (1 - a));
         I* g_row = g + r * V;
-        const auto args = std::make_tuple(z, es, eu, V, m_s, k_p, k_q, k_pt, inv_t, inv_sum_t_pt, scale, inv_cap,
-                                          softcap, g_row);
-        if (kl_on && general)
-            std::apply(row_gradient<true, true, S, I, C>, args);
+        if (kl_on && (tempered || softcap))
+            row_gradient<true, true>(z, es, eu, V, k, y, label, g_row);
         else if (kl_on)
-            std::apply(row_gradient<true, false, S, I, C>, args);
-        else if (general)
-            std::apply(row_gradient<false, true, S, I, C>, args);
+            row_gradient<true, false>(z, es, eu, V, k, y, label, g_row);
+        else if (tempered || softcap)
+            row_gradient<false, true>(z, es, eu, V, k, y, label, g_row);
         else
-            std::apply(row_gradient<false, false, S, I, C>, args);
-        // The label's term, -coef (1-a) e_y, at one element: recompute G_y in the compute type.
-        C v = k_p * es[y];
-        if (kl_on) v -= k_q * eu[y];
-        if (tempered) v += k_pt * exp_c((z[y] - m_s) * inv_t) * inv_sum_t_pt;
-        v -= C(c * (1 - a));
-        const C r_y = z[y] * inv_cap;
-        g_row[y] = store<I>(v * (softcap ? scale * (C(1) - r_y * r_y) : scale));
+            row_gradient<false, false>(z, es, eu, V, k, y, label, g_row);
     }
 }
 
