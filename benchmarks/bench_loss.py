@@ -64,17 +64,19 @@ def make_inputs(n: int, h: int, v: int):
     return hs, ht, w_head, labels, weights
 
 
-def worker(variant: str, n: int, h: int, v: int, reps: int) -> dict:
-    """Runs in a fresh process: time and peak extra memory of one variant at one shape."""
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    hs, ht, w_head, labels, weights = make_inputs(n, h, v)
+def loss_step(variant: str, hs, ht, w_head, labels, weights):
+    """One forward+backward of ``variant`` on these inputs: "fused" (``compile="auto"``), "fused+cap",
+    a ``KERNELS`` name, "reference" or "liger" (the caller clears ``hs.grad``)."""
     if variant.startswith("fused"):
         from dflash_trainer.loss import fused_draft_loss
 
         extra = {"cap_weight": 0.1} if variant == "fused+cap" else {}
+        compile = KERNELS.get(variant, "auto")
 
         def step():
-            loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=CHUNK, **TERMS, **extra)
+            loss, _ = fused_draft_loss(
+                hs, ht, w_head, labels, weights, chunk_size=CHUNK, compile=compile, **TERMS, **extra
+            )
             loss.backward()
     elif variant == "reference":
         from dflash_trainer.loss import reference_draft_loss
@@ -99,6 +101,14 @@ def worker(variant: str, n: int, h: int, v: int, reps: int) -> dict:
             fn(hs, w_head, ht, w_head, labels).backward()
     else:
         raise ValueError(variant)
+    return step
+
+
+def worker(variant: str, n: int, h: int, v: int, reps: int) -> dict:
+    """Runs in a fresh process: time and peak extra memory of one variant at one shape."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    hs, ht, w_head, labels, weights = make_inputs(n, h, v)
+    step = loss_step(variant, hs, ht, w_head, labels, weights)
     times = []
     for i in range(reps + 1 if reps else 0):
         hs.grad = None
@@ -150,7 +160,7 @@ def run_worker(variant: str, n: int, h: int, v: int, reps: int, timeout: int) ->
 
 def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, reps: int, variants) -> list[dict]:
     """Floor and implementations interleaved in this process; one row per implementation."""
-    from dflash_trainer.loss import fused, fused_draft_loss, native, reference_draft_loss
+    from dflash_trainer.loss import fused, native
 
     torch.set_num_threads(threads)
     hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(n, h, v))
@@ -168,33 +178,7 @@ def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, re
             torch.mm(z_c, w_head, out=dh_c)  # dh = G @ W
 
     def make(variant):
-        if variant.startswith("fused"):
-            compiled = KERNELS[variant]
-
-            def step():
-                loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=CHUNK, compile=compiled, **TERMS)
-                loss.backward()
-        elif variant == "reference":
-
-            def step():
-                loss, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **TERMS)
-                loss.backward()
-        elif variant == "liger":
-            from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-
-            fn = LigerFusedLinearJSDLoss(
-                weight_hard_loss=1 - TERMS["kl_weight"],
-                weight_soft_loss=TERMS["kl_weight"],
-                beta=0.0,
-                temperature=TERMS["temperature"],
-                compiled=False,
-                chunk_size=CHUNK,
-            )
-
-            def step():
-                fn(hs, w_head, ht, w_head, labels).backward()
-        else:
-            raise ValueError(variant)
+        step = loss_step(variant, hs, ht, w_head, labels, weights)
 
         def timed():
             hs.grad = None
