@@ -227,6 +227,33 @@ def test_native_kernel_rows_do_not_depend_on_threads():
             assert torch.equal(a, b)
 
 
+def test_native_kernel_without_openmp_splits_rows_over_python_threads(monkeypatch, tmp_path):
+    """A compiler without OpenMP builds the kernel single-threaded; Python threads then split the rows
+    (a ctypes call releases the GIL) and give the OpenMP build's results bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    zs, zt = (torch.randn(29, 2000, generator=g).mul(3).bfloat16() for _ in range(2))
+    labels, coef = torch.randint(0, 2000, (29,), generator=g), torch.rand(29, generator=g)
+    threads = torch.get_num_threads()
+
+    def rows():
+        grad = torch.empty_like(zs)
+        return [*native.chunk_epilogue(zs, zt, labels, coef, grad, 0.3, 1.7, 0.8, 0.9, None), grad]
+
+    try:
+        torch.set_num_threads(3)
+        with_openmp = rows()
+        monkeypatch.setattr(native, "OPTIONAL_FLAGS", (("-march=native",),))
+        monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+        native.reset()
+        assert native.load() is not None and native.load().dflash_openmp() == 0, native.BUILD_ERROR
+        without = rows()
+    finally:
+        torch.set_num_threads(threads)
+        native.reset()
+    for a, b in zip(with_openmp, without):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
 def test_non_finite_logits_give_a_non_finite_loss(compiled):
     """A NaN in the student's hidden states must surface as a NaN loss (the trainer's finite check),
