@@ -9,3 +9,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+# Prepared data (data/prepare.py) is cached per test session, never in the home folder; subprocesses
+# (CLI runs, torchrun ranks) inherit the variable, so they share the session's cache.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("DFLASH_DATA_CACHE", tempfile.mkdtemp(prefix="dflash-test-data-cache-"))

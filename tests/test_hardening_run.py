@@ -101,7 +101,8 @@ def test_truncated_target_weights_are_one_error_line(tmp_path):
     shutil.copytree(tiny_target_path(), target)
     with open(target / "model.safetensors", "r+b") as f:
         f.truncate(5000)
-    (tmp_path / "d.jsonl").write_text(json.dumps(PROMPT) + "\n")
+    # Trainable data: the data are prepared before the weights are read, and must not fail first.
+    (tmp_path / "d.jsonl").write_text(2 * (json.dumps({"input_ids": list(range(3, 60))}) + "\n"))
     code, _, err = cli(
         "train",
         "--config",

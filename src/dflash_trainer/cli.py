@@ -2,6 +2,7 @@
 
     dflash-train demo      [--config FILE|PRESET ...] [--set KEY=VALUE ...]  train a drafter on the tiny target
     dflash-train train     --config FILE|PRESET [--set ...] [--resume auto]   train a drafter
+    dflash-train prepare-data --config FILE [--out DIR] | --verify DIR         tokenize the data once, memory-mapped
     dflash-train generate  --input DATA --output OUT.jsonl [--config ...]     regenerate responses with the target
     dflash-train speculate --drafter CKPT --input DATA --output OUT.jsonl     speculative decoding, lossless check
     dflash-train eval      CHECKPOINT [...] --data DATA --out DIR              acceptance: chain tau, DDTree tau(budget)
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands.export import add_export_parser
     from .commands.generate import add_generate_parser
     from .commands.plan import add_plan_parser
+    from .commands.prepare_data import add_prepare_data_parser
     from .commands.speculate import add_speculate_parser
     from .commands.tiny_target import add_tiny_target_parser
     from .commands.train import add_train_parser
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (
         add_demo_parser,
         add_train_parser,
+        add_prepare_data_parser,
         add_generate_parser,
         add_speculate_parser,
         add_eval_parser,

@@ -193,8 +193,8 @@ def run_eval(args: argparse.Namespace) -> int:
     Every input is checked (arguments, checkpoints against the target's config, data) before the
     target's weights are loaded: a bad input fails in seconds, even for a 54 GB target."""
     from ..config import write_resolved_config
-    from ..data.documents import load_documents
-    from ..data.packing import pack_documents
+    from ..data.documents import check_report
+    from ..data.prepare import ensure_prepared, request_for
     from ..inference.regenerate import eos_ids
     from ..model.loading import load_target, load_target_config
     from ..model.target import TargetModel
@@ -222,17 +222,18 @@ def run_eval(args: argparse.Namespace) -> int:
     # One row set for all checkpoints, so they are compared on the same text; every document must
     # hold a block of the largest block size.
     out.mkdir(parents=True, exist_ok=True)
-    docs, data_report = load_documents(
-        args.data,
+    request = request_for(
+        cfg.data,
         tokenizer,
-        vocab_size=config.vocab_size,
+        config.vocab_size,
         min_tokens=max(s.block_size for s in specs),
-        max_bad_fraction=cfg.data.max_bad_fraction,
-        report_path=out / "data_report.json",
-        max_record_bytes=cfg.data.max_record_bytes,
+        train_paths=args.data,
+        holdout="none",
     )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_documents(docs, cfg.data.seq_len, pad)
+    data = ensure_prepared(request, tokenizer, root=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
+    data_report = data.report("train")
+    check_report(data_report, cfg.data.max_bad_fraction, out / "data_report.json")
+    rows = data.rows("train")
 
     model, _, _ = load_target(cfg.target.model_copy(update={"path": target_path}))
     model.to(device)

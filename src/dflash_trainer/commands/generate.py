@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config.cli_args import add_config_args, resolve_config
 from ..data.records import expand_paths, iter_records
+from ..data.sources import count_records
 from ..errors import UserError
 from ..inference.regenerate import GenerationStats, Skipped, regenerate_batches
 from ..io import atomic_write_json
@@ -64,15 +65,6 @@ def _writing(partial: Path):
             f"cannot write the output next to {partial}: {exc.strerror or exc}; the records written so far "
             f"are kept in {partial}, rerun the same command to continue"
         ) from None
-
-
-def _count_records(files: list[Path]) -> int:
-    """Non-blank lines, i.e. what ``iter_records`` will yield (sizes the progress bar)."""
-    n = 0
-    for file in files:
-        with open(file, "rb") as f:
-            n += sum(1 for line in f if line.strip())
-    return n
 
 
 def _positive_int(text: str) -> int:
@@ -123,10 +115,12 @@ def run_generate(args: argparse.Namespace) -> int:
     model, tokenizer, target_folder = load_target(cfg.target)
     model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
-    total = _count_records(files)
+    total = count_records(files)
     if args.limit is not None:
         total = min(total, args.limit)
-    records = itertools.islice(iter_records([str(f) for f in files], cfg.data.max_record_bytes), args.limit)
+    records = itertools.islice(
+        iter_records([str(f) for f in files], cfg.data.max_record_bytes, cfg.data.columns), args.limit
+    )
     todo = (r for r in records if (str(Path(r.source).resolve()), r.line) not in done)
 
     stats = GenerationStats()

@@ -79,7 +79,9 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
     writer = layout.rank == layout.target_ranks
     role = "target" if layout.is_target else "drafter"
     try:
-        target, tokenizer, train_rows, eval_rows, report = prepare(cfg, keep="body" if layout.is_target else "head")
+        target, tokenizer, train_rows, eval_rows, report = prepare(
+            cfg, keep="body" if layout.is_target else "head", share=distributed.on_rank0(cfg.data.prepare_timeout_s)
+        )
         target.model.to(device)
         if writer:
             _print_data(cfg, report, train_rows, eval_rows)

@@ -86,10 +86,17 @@ class DrafterConfig(Section):
         return self
 
 
+# data.columns keys: the record-level columns a record may have, and the keys of a "messages" turn.
+DATA_COLUMN_KEYS = ("messages", "conversations", "input_ids", "loss_mask", "role", "content")
+
+
 class DataConfig(Section):
     """Training and held-out data, packed into rows of seq_len tokens."""
 
-    train_files: list[str] = Field(default_factory=list, description="JSONL files or folders")
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="JSONL / Parquet / Arrow files, folders, datasets' save_to_disk or cache folders",
+    )
     eval_files: list[str] = Field(default_factory=list)
     seq_len: int = Field(4096, ge=2, description="tokens per packed row")
     max_anchors: int = Field(512, ge=1, description="anchors (blocks) sampled per packed row")
@@ -101,6 +108,27 @@ class DataConfig(Section):
     max_record_bytes: int = Field(
         16 << 20, ge=1, description="a JSONL line longer than this is skipped and counted as a bad record"
     )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="our column name -> the data's, for other names (keys: " + ", ".join(DATA_COLUMN_KEYS) + ")",
+    )
+    prepared: str | None = Field(
+        None, description="a folder written by `dflash-train prepare-data`; null = prepare on first use, cached"
+    )
+    cache_dir: str | None = Field(
+        None, description="where prepared data is cached; null = $DFLASH_DATA_CACHE or ~/.cache/dflash-trainer/data"
+    )
+    num_workers: int | None = Field(None, ge=1, description="tokenizing processes when preparing; null = the cores")
+    prepare_timeout_s: float = Field(
+        14400.0, gt=0, description="with torchrun: how long the other ranks wait for rank 0 to prepare the data"
+    )
+
+    @model_validator(mode="after")
+    def _known_columns(self) -> DataConfig:
+        unknown = sorted(set(self.columns) - set(DATA_COLUMN_KEYS))
+        if unknown:
+            raise ValueError(f"data.columns keys {unknown} are not among {list(DATA_COLUMN_KEYS)}")
+        return self
 
 
 class LossConfig(Section):

@@ -1,6 +1,8 @@
-"""Training documents from JSONL records: token ids and loss masks, with every bad record counted.
+"""Training documents from records: token ids and loss masks, with every bad record counted.
 
-``load_documents`` turns each record of ``records.iter_records`` into a ``Document`` (chat records
+``document_arrays`` turns one record into token ids and a loss mask or the reason it is bad; it is the
+one rule both ``load_documents`` (in memory, the plain reference) and ``prepare`` (to disk, in
+parallel) apply. ``load_documents`` turns each record of ``records.iter_records`` into a ``Document`` (chat records
 through the tokenizer's chat template, ``chat.tokenize_conversation``; pre-tokenized records as they
 are) or into one line of a ``DataReport``. Bad records are skipped, never silently: the report counts
 them by reason and lists file, line and reason for each. When too many are bad, the report is written
@@ -114,8 +116,8 @@ def _check_document(ids: list[int], mask: list[int], vocab_size: int, min_tokens
     return None
 
 
-def _to_document(record: Record, tokenizer, vocab_size: int, min_tokens: int) -> Document | str:
-    """A ``Document`` or the reason the record is bad."""
+def document_arrays(record: Record, tokenizer, vocab_size: int, min_tokens: int) -> tuple[list[int], list[int]] | str:
+    """``(input_ids, loss_mask)`` ``[T]`` of a record, or the reason the record is bad."""
     if record.messages is not None:
         if getattr(tokenizer, "chat_template", None) is None:
             # A setup problem, not a data problem: every chat record would fail the same way.
@@ -129,9 +131,28 @@ def _to_document(record: Record, tokenizer, vocab_size: int, min_tokens: int) ->
     else:
         ids, mask = record.input_ids, record.loss_mask
     reason = _check_document(ids, mask, vocab_size, min_tokens)
-    if reason is not None:
-        return reason
-    return Document(input_ids=list(ids), loss_mask=list(mask), source=record.source, line=record.line)
+    return reason if reason is not None else (list(ids), list(mask))
+
+
+def check_report(report: DataReport, max_bad_fraction: float, report_path: str | os.PathLike | None) -> None:
+    """Raise the one-line ``UserError`` when the share of bad records exceeds ``max_bad_fraction`` or no
+    record is usable, after writing the report (to ``report_path``, else a fresh temporary file, named in
+    the message); otherwise write it to ``report_path`` when one is given."""
+    if report.bad_fraction > max_bad_fraction or not report.n_documents:
+        if report_path is None:
+            fd, report_path = tempfile.mkstemp(prefix="dflash-data-report-", suffix=".json")
+            os.close(fd)
+        written = report.write(report_path)
+        if report.n_records == 0:
+            raise UserError(f"no records in {', '.join(report.files)}")
+        if not report.n_documents:
+            raise UserError(f"no usable document among {report.n_records} records; see the report {written}")
+        raise UserError(
+            f"{report.n_bad} of {report.n_records} records are bad ({report.bad_fraction:.1%}), above "
+            f"max_bad_fraction {max_bad_fraction:.1%}; see the report {written}"
+        )
+    if report_path is not None:
+        report.write(report_path)
 
 
 def load_documents(
@@ -143,8 +164,10 @@ def load_documents(
     max_bad_fraction: float,
     report_path: str | os.PathLike | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    columns: dict[str, str] | None = None,
 ) -> tuple[list[Document], DataReport]:
-    """Every usable document of the JSONL files/folders ``paths``, in file and line order, and the report.
+    """Every usable document of the data paths ``paths``, in file and line order, and the report: the
+    plain in-memory reference of ``prepare.prepare_data`` (which writes the same documents to disk).
 
     ``vocab_size`` is the target model's (ids must index its embedding); ``min_tokens`` is usually the
     block size (see the module docstring); lines longer than ``max_record_bytes`` are bad records. The report is written to ``report_path`` when one is given.
@@ -155,33 +178,18 @@ def load_documents(
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
     report = DataReport(files=[str(p) for p in expand_paths(paths)])
     documents: list[Document] = []
-    for item in iter_records(paths, max_record_bytes):
+    for item in iter_records(paths, max_record_bytes, columns):
         report.n_records += 1
         if isinstance(item, BadRecord):
             report.bad.append((item.source, item.line, item.reason))
             continue
-        result = _to_document(item, tokenizer, vocab_size, min_tokens)
+        result = document_arrays(item, tokenizer, vocab_size, min_tokens)
         if isinstance(result, str):
             report.bad.append((item.source, item.line, result))
             continue
-        documents.append(result)
-        report.n_tokens += len(result.input_ids)
-        report.n_loss_tokens += sum(result.loss_mask)
+        documents.append(Document(input_ids=result[0], loss_mask=result[1], source=item.source, line=item.line))
+        report.n_tokens += len(result[0])
+        report.n_loss_tokens += sum(result[1])
     report.n_documents = len(documents)
-
-    if report.bad_fraction > max_bad_fraction or not documents:
-        if report_path is None:
-            fd, report_path = tempfile.mkstemp(prefix="dflash-data-report-", suffix=".json")
-            os.close(fd)
-        written = report.write(report_path)
-        if report.n_records == 0:
-            raise UserError(f"no records in {', '.join(report.files)}")
-        if not documents:
-            raise UserError(f"no usable document among {report.n_records} records; see the report {written}")
-        raise UserError(
-            f"{report.n_bad} of {report.n_records} records are bad ({report.bad_fraction:.1%}), above "
-            f"max_bad_fraction {max_bad_fraction:.1%}; see the report {written}"
-        )
-    if report_path is not None:
-        report.write(report_path)
+    check_report(report, max_bad_fraction, report_path)
     return documents, report

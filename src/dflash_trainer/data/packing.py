@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .documents import Document
@@ -75,10 +76,35 @@ def split_document(doc: Document, seq_len: int) -> list[tuple[list[int], list[in
     ]
 
 
+def plan_rows(doc_starts: np.ndarray, doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The packing of documents given by index, not by content: ``(row_offsets [R+1], pieces [P, 2])``,
+    where row ``r`` holds ``pieces[row_offsets[r]:row_offsets[r+1]]``, in order, each piece a
+    ``(token start, length)`` of the flat token storage. Documents are ``doc_starts``/``doc_lengths``
+    ``[D]`` (int64, every length >= 1). The same rules and the same rows as ``pack_documents``."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    doc_starts, doc_lengths = np.asarray(doc_starts, np.int64), np.asarray(doc_lengths, np.int64)
+    if (doc_lengths < 1).any():
+        raise ValueError("every document must hold at least one token")
+    per_doc = -(-doc_lengths // seq_len)  # pieces of each document
+    doc_of_piece = np.repeat(np.arange(len(doc_lengths)), per_doc)
+    first_piece = np.cumsum(per_doc) - per_doc
+    k = np.arange(len(doc_of_piece)) - first_piece[doc_of_piece]  # piece number inside its document
+    starts = doc_starts[doc_of_piece] + k * seq_len
+    lengths = np.minimum(seq_len, doc_lengths[doc_of_piece] - k * seq_len)
+    fit = _FirstFit(max(1, len(lengths)), seq_len)
+    row_of_piece = np.fromiter((fit.take(n) for n in lengths.tolist()), np.int64, len(lengths))
+    order = np.argsort(row_of_piece, kind="stable")  # pieces of a row in placement order
+    n_rows = int(row_of_piece.max()) + 1 if len(lengths) else 0
+    row_offsets = np.zeros(n_rows + 1, np.int64)
+    np.cumsum(np.bincount(row_of_piece, minlength=n_rows), out=row_offsets[1:])
+    return row_offsets, np.stack([starts[order], lengths[order]], axis=1).reshape(-1, 2)
+
+
 def pack_documents(docs: Sequence[Document], seq_len: int, pad_token_id: int) -> list[PackedRow]:
     """Rows of exactly ``seq_len`` tokens holding every token of ``docs`` once (see the module
-    docstring). Each returned tensor is ``[seq_len]``; the number of rows is at least
-    ``ceil(total tokens / seq_len)``."""
+    docstring): the plain in-memory reference of ``plan_rows`` + ``storage.PackedRows``. Each returned
+    tensor is ``[seq_len]``; the number of rows is at least ``ceil(total tokens / seq_len)``."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     pieces: list[tuple[list[int], list[int]]] = []

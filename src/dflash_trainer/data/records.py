@@ -1,30 +1,29 @@
-"""Read training records from local JSONL files or folders, in the shapes the field uses.
+"""Decode and normalize training records, in the shapes the field uses (``sources`` reads the files).
 
-Accepted record shapes (one JSON object per line):
+Accepted record shapes (a JSON object per JSONL line, or a table row with these columns):
 - ``{"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": str}, ...]}``
 - ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}``
 - pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (same length)
 
-Every record comes back as a ``Record`` (normalized) or a ``BadRecord`` that names the file, the line
-and the reason, so callers can skip and count instead of crashing or silently dropping.
+Other column names are mapped onto these by ``columns`` (``data.columns``: ``{"messages": "chat",
+"content": "text"}``; keys among ``COLUMN_KEYS``). Every record comes back as a ``Record`` (normalized)
+or a ``BadRecord`` that names the file, the line and the reason, so callers can skip and count instead
+of crashing or silently dropping.
 
-Lines end at a newline byte only (a raw CR inside a record belongs to the record) and a UTF-8 byte
-order mark before the first line is ignored. A line that is not valid UTF-8, holds a lone surrogate
-escape, nests too deep, holds an integer too long to parse or is longer than ``max_record_bytes`` is a
-``BadRecord``: never replacement characters in training text, never a traceback. Data paths that are
-not regular files (a FIFO, a device, a broken link) are refused before anything is opened.
+A line that is not valid UTF-8, holds a lone surrogate escape, nests too deep, holds an integer too
+long to parse or is longer than ``max_record_bytes`` is a ``BadRecord``: never replacement characters
+in training text, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..errors import UserError
+from ..config.schema import DATA_COLUMN_KEYS as COLUMN_KEYS  # noqa: F401 (named in the docstring)
+from .sources import OversizedLine, RawRecord, expand_paths, iter_raw_records
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -41,7 +40,6 @@ SHAREGPT_ROLES = {
 }
 ROLES = {"system", "user", "assistant", "tool"}
 DEFAULT_MAX_RECORD_BYTES = 16 << 20  # data.max_record_bytes' default: a longer line is skipped and counted
-_BOM = b"\xef\xbb\xbf"
 # A lone surrogate can enter a decoded string only through a \u escape (strict UTF-8 rejects its bytes).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -68,46 +66,23 @@ class BadLine:
     reason: str  # why a line is not a JSON value
 
 
-def _not_a_regular_file(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a data file (checked without opening it: a FIFO would block), or None."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return "is a broken symbolic link" if path.is_symlink() else "does not exist"
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    if stat.S_ISREG(mode):
-        return None
-    return "is a FIFO, not a regular file" if stat.S_ISFIFO(mode) else "is not a regular file"
+def _renamed(obj: dict, columns: dict[str, str]) -> dict:
+    """``obj`` with the user's record-level column names (``columns``' values) under ours (its keys)."""
+    out = dict(obj)
+    for ours, theirs in columns.items():
+        if ours not in ("role", "content") and theirs in obj:
+            out.pop(theirs)
+            out[ours] = obj[theirs]
+    return out
 
 
-def expand_paths(paths: list[str]) -> list[Path]:
-    """Files named directly, plus every ``*.jsonl`` file under named folders (sorted; a directory named
-    ``x.jsonl`` is a folder, not a file). A missing path, a broken link, a FIFO or a device is an error."""
-    files: list[Path] = []
-    for p in paths:
-        path = Path(p).expanduser()
-        if path.is_dir():
-            found = sorted(f for f in path.rglob("*.jsonl") if not f.is_dir())
-            if not found:
-                raise UserError(f"data folder {p} contains no .jsonl files")
-            for f in found:
-                problem = _not_a_regular_file(f)
-                if problem:
-                    raise UserError(f"data file {f} {problem}")
-            files.extend(found)
-        else:
-            problem = _not_a_regular_file(path)
-            if problem:
-                raise UserError(f"data path {p} {problem}")
-            files.append(path)
-    return files
-
-
-def parse_record(obj, source: str, line: int) -> Record | BadRecord:
-    """Normalize one decoded JSON value."""
+def parse_record(obj, source: str, line: int, columns: dict[str, str] | None = None) -> Record | BadRecord:
+    """Normalize one decoded JSON value or table row; ``columns`` maps our names to the data's."""
     if not isinstance(obj, dict):
         return BadRecord(source, line, "not a JSON object")
+    columns = columns or {}
+    if columns:
+        obj = _renamed(obj, columns)
     if "input_ids" in obj:
         ids, mask = obj.get("input_ids"), obj.get("loss_mask")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -119,7 +94,12 @@ def parse_record(obj, source: str, line: int) -> Record | BadRecord:
         extra = {k: v for k, v in obj.items() if k not in ("input_ids", "loss_mask")}
         return Record(source, line, input_ids=ids, loss_mask=[int(m) for m in mask], extra=extra)
     if "messages" in obj:
-        key, key_role, key_text, mapping = "messages", "role", "content", None
+        key, key_role, key_text, mapping = (
+            "messages",
+            columns.get("role", "role"),
+            columns.get("content", "content"),
+            None,
+        )
     elif "conversations" in obj:
         key, key_role, key_text, mapping = "conversations", "from", "value", SHAREGPT_ROLES
     else:
@@ -170,23 +150,26 @@ def _decode_line(raw: bytes, max_record_bytes: int):
     return obj
 
 
-def iter_records(paths: list[str], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Record | BadRecord]:
-    """Every line of every file, in order, as a ``Record`` or a ``BadRecord`` (blank lines skipped).
-    Lines end at a newline byte only and are numbered from 1; see the module docstring for bad lines."""
-    for file in expand_paths(paths):
-        try:
-            f = open(file, "rb")
-        except OSError as exc:
-            raise UserError(f"cannot read data file {file}: {exc.strerror or exc}") from None
-        with f:
-            # Binary iteration splits at b"\n" only: a raw CR inside a record stays in the record.
-            for number, raw in enumerate(f, 1):
-                if number == 1 and raw.startswith(_BOM):
-                    raw = raw[len(_BOM) :]
-                if not raw.strip():
-                    continue
-                obj = _decode_line(raw, max_record_bytes)
-                if isinstance(obj, BadLine):
-                    yield BadRecord(str(file), number, obj.reason)
-                    continue
-                yield parse_record(obj, str(file), number)
+def decode_record(
+    raw: RawRecord | OversizedLine, max_record_bytes: int, columns: dict[str, str] | None = None
+) -> Record | BadRecord:
+    """A record from ``sources`` as a ``Record``, or the ``BadRecord`` that says why it is not one."""
+    if isinstance(raw, OversizedLine):
+        return BadRecord(
+            raw.source, raw.line, f"record too large: {raw.size:,} bytes > data.max_record_bytes {max_record_bytes:,}"
+        )
+    obj = raw.payload
+    if isinstance(obj, bytes):
+        obj = _decode_line(obj, max_record_bytes)
+        if isinstance(obj, BadLine):
+            return BadRecord(raw.source, raw.line, obj.reason)
+    return parse_record(obj, raw.source, raw.line, columns)
+
+
+def iter_records(
+    paths: list[str], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, columns: dict[str, str] | None = None
+) -> Iterator[Record | BadRecord]:
+    """Every record of every data path, in order, as a ``Record`` or a ``BadRecord`` (``sources`` says
+    which files a path names and how they are read; blank JSONL lines are not records)."""
+    for raw in iter_raw_records(expand_paths(paths), max_record_bytes):
+        yield decode_record(raw, max_record_bytes, columns)

@@ -97,6 +97,7 @@ class Plan:
     recommendations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     throughput: dict | None = None  # planner.throughput: as launched and the best split (GPU presets only)
+    data: dict | None = None  # the prepared data's disk and RAM cost (report.data_cost)
 
     @property
     def fits(self) -> bool:

@@ -143,7 +143,22 @@ def plan_for_config(
             "as_launched": throughput(shape, w, ids, topo.target_gpus, topo.drafter_gpus, **kwargs).as_dict(),
             "best_split": best_split(shape, w, ids, topo.target_gpus + topo.drafter_gpus, **kwargs).as_dict(),
         }
+    plan.data = data_cost(w.seq_len)
     return plan
+
+
+def data_cost(seq_len: int) -> dict:
+    """What the prepared data (``data.storage``) costs: disk per token, document and row, RAM per row."""
+    from ..data import storage
+
+    return {
+        "disk_bytes_per_token": storage.DISK_BYTES_PER_TOKEN,
+        "disk_bytes_per_document": storage.DISK_BYTES_PER_DOCUMENT,
+        "disk_bytes_per_row": storage.DISK_BYTES_PER_ROW,
+        "disk_bytes_per_full_row": seq_len * storage.DISK_BYTES_PER_TOKEN + storage.DISK_BYTES_PER_ROW,
+        "ram_bytes_per_row": storage.RAM_BYTES_PER_ROW,
+        "seq_len": seq_len,
+    }
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -223,6 +238,15 @@ def render_text(plan: Plan) -> str:
     if plan.throughput:
         lines.append("")
         lines.extend(_throughput_lines(plan))
+    if plan.data:
+        d = plan.data
+        lines.append("")
+        lines.append(
+            f"data (prepared once, memory-mapped by every rank): {d['disk_bytes_per_token']} bytes/token on disk + "
+            f"{d['disk_bytes_per_document']} per document, {d['disk_bytes_per_full_row'] / 1e6:,.2f} MB per "
+            f"{d['seq_len']:,}-token row ({d['disk_bytes_per_token']} GB per billion tokens); "
+            f"RAM: {d['ram_bytes_per_row']} bytes per row and rank, whatever the corpus (page cache aside)"
+        )
     lines.append("")
     if plan.fits:
         lines.append(
@@ -277,6 +301,7 @@ def render_json(plan: Plan) -> dict:
         "loss_chunk_source": plan.chunk_source,
         "fits": plan.fits,
         "throughput": plan.throughput,
+        "data": plan.data,
         "devices": [
             {
                 "role": d.role,

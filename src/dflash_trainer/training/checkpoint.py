@@ -187,6 +187,10 @@ RESUME_MAY_CHANGE = (
     "data.max_eval_rows",
     "data.max_bad_fraction",
     "data.max_record_bytes",
+    "data.prepared",  # where the same rows are read from (a storage that differs is refused)
+    "data.cache_dir",
+    "data.num_workers",
+    "data.prepare_timeout_s",
     "loss.chunk_size",
     "drafter.attention_backend",
     "drafter.activation_checkpointing",

@@ -126,6 +126,30 @@ def init(cfg: RunConfig) -> tuple[Layout, torch.device, object]:
     return layout, device, group
 
 
+def on_rank0(timeout_s: float):
+    """``share(fn)`` for ``setup.prepare``: global rank 0 runs ``fn()`` (prepares the data, however long
+    that takes up to ``timeout_s``) while every other rank waits on a gloo barrier with that deadline;
+    all return rank 0's result, or all raise its one-line ``UserError``. Every rank must call it."""
+    from datetime import timedelta
+
+    def share(fn):
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [("ok", fn())]
+            except UserError as exc:
+                box = [("error", str(exc))]
+        dist.broadcast_object_list(box, src=0, group=group)
+        dist.destroy_process_group(group)
+        kind, value = box[0]
+        if kind == "error":
+            raise UserError(value)
+        return value
+
+    return share
+
+
 # -- who does what --------------------------------------------------------------------------------
 
 
@@ -143,7 +167,8 @@ class StepPlan:
     def __init__(self, stream, num_rows: int, block_size: int, grad_accum: int, start: int = 0):
         self.stream, self.num_rows, self.block_size, self.grad_accum = stream, num_rows, block_size, grad_accum
         self.next_g = start
-        self._usable: dict[int, bool] = {}  # by data-set row identity: a row's usability never changes
+        # By data-set row: a row's usability never changes. int8, -1 = not looked at yet: one byte per row.
+        self._usable = torch.full((num_rows,), -1, dtype=torch.int8)
 
     def next_usable(self) -> tuple[int, int]:
         """``(g, skipped)``: the next usable global row index and how many unusable rows were passed."""
@@ -151,10 +176,9 @@ class StepPlan:
         while True:
             g = self.next_g
             self.next_g += 1
-            row = self.stream[g]
-            key = id(row)
-            if key not in self._usable:
-                self._usable[key] = usable(row, self.block_size)
+            key = self.stream.row_index(g)
+            if self._usable[key] < 0:
+                self._usable[key] = int(usable(self.stream.rows[key], self.block_size))
             if self._usable[key]:
                 return g, skipped
             skipped += 1

@@ -2,45 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import RunConfig
-from ..data.documents import load_documents
-from ..data.packing import pack_documents
+from ..data.documents import check_report
+from ..data.prepare import find_storage, request_for
 from ..data.records import expand_paths
+from ..data.storage import PreparedData
 from ..errors import UserError
-from ..model.loading import load_target_model
+from ..model.loading import load_target_config, load_target_model
 
 
-def prepare(cfg: RunConfig, keep: str = "all"):
+def open_training_data(cfg: RunConfig, tokenizer, vocab_size: int, *, share: Callable | None = None, progress=True):
+    """``(train rows, eval rows, train report)`` of a run, from its prepared storage (found, or prepared
+    on first use). ``share(find)``: a distributed launch's way to let one rank prepare while the others
+    wait (``distributed.on_rank0``); it returns the storage folder on every rank. The reports are
+    copied into ``output_dir`` and checked against ``data.max_bad_fraction`` there."""
+    request = request_for(cfg.data, tokenizer, vocab_size, min_tokens=cfg.drafter.block_size + 1)
+
+    def find() -> str:
+        return str(find_storage(cfg.data, request, tokenizer, progress=progress))
+
+    data = PreparedData(share(find) if share is not None else find())
+    out = Path(cfg.output_dir)
+    report = data.report("train")
+    check_report(report, cfg.data.max_bad_fraction, out / "data_report.json")
+    if data.settings["holdout"] == "files":
+        check_report(data.report("eval"), cfg.data.max_bad_fraction, out / "eval_data_report.json")
+    eval_rows = data.rows("eval")
+    if not eval_rows:
+        raise UserError("no held-out documents: set data.eval_files or give more than one training document")
+    return data.rows("train"), eval_rows, report
+
+
+def prepare(cfg: RunConfig, keep: str = "all", share: Callable | None = None):
     """``(target, tokenizer, train_rows, eval_rows, data report)`` for a run; data problems are reported,
     not raised deep. ``keep``: "all" (one process), "body" (a target rank: no head) or "head" (a drafter
-    rank: the frozen embedding and head, no decoder layers)."""
-    if not cfg.data.train_files:
-        raise UserError("data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl]")
-    # Data paths are checked before the target is read: a typo or a FIFO costs no model load.
-    expand_paths(cfg.data.train_files + cfg.data.eval_files)
+    rank: the frozen embedding and head, no decoder layers). The data are ready (tokenized, checked)
+    before the target's weights are read: a data problem costs no model load."""
+    if not cfg.data.train_files and not cfg.data.prepared:
+        raise UserError(
+            "data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl] "
+            "(or --set data.prepared=DIR, a folder written by dflash-train prepare-data)"
+        )
+    expand_paths(cfg.data.train_files + cfg.data.eval_files)  # a typo or a FIFO fails in a second
+    config, tokenizer, _ = load_target_config(cfg.target.path)
+    train_rows, eval_rows, report = open_training_data(cfg, tokenizer, config.vocab_size, share=share)
     target, tokenizer = load_target_model(cfg.target)
     if keep != "all":
         target.keep_only(keep)
-    out = Path(cfg.output_dir)
-    common = dict(
-        vocab_size=target.vocab_size,
-        min_tokens=cfg.drafter.block_size + 1,
-        max_bad_fraction=cfg.data.max_bad_fraction,
-        max_record_bytes=cfg.data.max_record_bytes,
-    )
-    docs, report = load_documents(cfg.data.train_files, tokenizer, report_path=out / "data_report.json", **common)
-    if cfg.data.eval_files:
-        eval_docs, _ = load_documents(
-            cfg.data.eval_files, tokenizer, report_path=out / "eval_data_report.json", **common
-        )
-    else:
-        n_eval = max(1, int(len(docs) * cfg.data.eval_fraction)) if len(docs) > 1 else 0
-        docs, eval_docs = docs[: len(docs) - n_eval], docs[len(docs) - n_eval :]
-        if not eval_docs:
-            raise UserError("no held-out documents: set data.eval_files or give more than one training document")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_rows = pack_documents(docs, cfg.data.seq_len, pad)
-    eval_rows = pack_documents(eval_docs, cfg.data.seq_len, pad)
     return target, tokenizer, train_rows, eval_rows, report

@@ -24,6 +24,7 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,24 +88,30 @@ def build_drafter(cfg: RunConfig, target: TargetModel, tokenizer) -> DFlashDraft
     return drafter.float()
 
 
-def epoch_order(seed: int, epoch: int, num_rows: int) -> list[int]:
-    """The data set's row order in ``epoch``: a permutation that depends on ``(seed, epoch)`` only."""
+def epoch_order(seed: int, epoch: int, num_rows: int) -> torch.Tensor:
+    """The data set's row order in ``epoch`` ``[num_rows]``: a permutation that depends on ``(seed, epoch)`` only."""
     gen = torch.Generator().manual_seed((seed * 0x9E3779B1 + epoch * 0x27D4EB2F + 2) % (1 << 63))
-    return torch.randperm(num_rows, generator=gen).tolist()
+    return torch.randperm(num_rows, generator=gen)
 
 
 class RowStream:
-    """Global row index ``g`` -> the packed row it names (epoch orders cached one at a time)."""
+    """Global row index ``g`` -> the packed row it names (epoch orders cached one at a time, as a
+    tensor: 8 bytes per row, whatever the corpus). ``rows`` is a sequence: a list, or the memory-mapped
+    ``storage.PackedRows`` that reads a row only when it is asked for."""
 
-    def __init__(self, rows: list[PackedRow], seed: int):
+    def __init__(self, rows: Sequence[PackedRow], seed: int):
         self.rows, self.seed = rows, seed
-        self._epoch, self._order = -1, []
+        self._epoch, self._order = -1, torch.zeros(0, dtype=torch.long)
 
-    def __getitem__(self, g: int) -> PackedRow:
+    def row_index(self, g: int) -> int:
+        """The data set's row that global index ``g`` names."""
         epoch, i = divmod(g, len(self.rows))
         if epoch != self._epoch:
             self._epoch, self._order = epoch, epoch_order(self.seed, epoch, len(self.rows))
-        return self.rows[self._order[i]]
+        return int(self._order[i])
+
+    def __getitem__(self, g: int) -> PackedRow:
+        return self.rows[self.row_index(g)]
 
 
 def has_block(row: PackedRow, block_size: int) -> bool:
@@ -113,7 +120,7 @@ def has_block(row: PackedRow, block_size: int) -> bool:
     return valid_anchor_positions(row.loss_mask, doc, block_size).numel() > 0
 
 
-def check_rows_have_blocks(train_rows: list[PackedRow], eval_rows: list[PackedRow], cfg: RunConfig) -> None:
+def check_rows_have_blocks(train_rows: Sequence[PackedRow], eval_rows: Sequence[PackedRow], cfg: RunConfig) -> None:
     """Refuse, before the first step, data from which no block can be drawn: training would loop forever
     looking for an anchor, and evaluation would fail only after steps were spent."""
     b = cfg.drafter.block_size
@@ -176,8 +183,8 @@ class Trainer:
         cfg: RunConfig,
         target: TargetModel,
         tokenizer,
-        train_rows: list[PackedRow],
-        eval_rows: list[PackedRow],
+        train_rows: Sequence[PackedRow],
+        eval_rows: Sequence[PackedRow],
         *,
         out_dir: Path,
         target_path: str | None,
