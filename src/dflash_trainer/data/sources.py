@@ -3,6 +3,7 @@
 A data path is one of:
 
 - a ``.jsonl`` file: one JSON value per line, lines numbered from 1 (blank lines are not records);
+  lines end at LF only, except in a file without any LF, whose lines end at CR (old Mac OS endings);
 - a ``.parquet`` file, or an ``.arrow`` file (Arrow IPC, file or stream format: ``datasets`` writes the
   stream format): one record per table row, rows numbered from 1 (reported as the record's line);
 - a folder written by ``datasets``' ``save_to_disk`` (``state.json`` + ``data-*.arrow``): its files in
@@ -156,13 +157,51 @@ def expand_paths(paths: list[str]) -> list[Path]:
     return files
 
 
+def _cr_only(f) -> bool:
+    """Whether a binary file has no LF at all and a CR somewhere: old Mac OS line endings, where the
+    lines end at CR. Read chunk by chunk (a normal file answers at its first chunk), then rewound."""
+    cr = False
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        if b"\n" in chunk:
+            cr = False
+            break
+        cr = cr or b"\r" in chunk
+    f.seek(0)
+    return cr
+
+
+class _CrLines:
+    """``readline(limit)`` over a binary file whose lines end at CR (returned with it, as a file's
+    ``readline`` returns a line with its LF)."""
+
+    def __init__(self, f):
+        self.f, self.buf = f, b""
+
+    def readline(self, limit: int) -> bytes:
+        while True:
+            end = self.buf.find(b"\r", 0, limit)
+            if end < 0 and len(self.buf) >= limit:
+                end = limit - 1
+            if end >= 0:
+                line, self.buf = self.buf[: end + 1], self.buf[end + 1 :]
+                return line
+            chunk = self.f.read(1 << 20)
+            if not chunk:
+                line, self.buf = self.buf, b""
+                return line
+            self.buf += chunk
+
+
 def _jsonl_records(file: Path, max_record_bytes: int) -> Iterator[RawRecord | OversizedLine]:
-    """Lines split at a newline byte only (a raw CR inside a record belongs to the record), a UTF-8
-    byte order mark before the first line dropped, blank lines skipped, none held past the limit."""
+    """Lines split at a newline byte only (a raw CR inside a record belongs to the record), except in
+    a file with no newline byte at all, whose lines end at CR (old Mac OS); a UTF-8 byte order mark
+    before the first line dropped, blank lines skipped, none held past the limit."""
     with open(file, "rb") as f:
+        end = b"\r" if _cr_only(f) else b"\n"
+        readline = _CrLines(f).readline if end == b"\r" else f.readline
         number = 0
         while True:
-            raw = f.readline(max_record_bytes + 1 + (len(_BOM) if number == 0 else 0))
+            raw = readline(max_record_bytes + 1 + (len(_BOM) if number == 0 else 0))
             if not raw:
                 return
             number += 1
@@ -170,8 +209,8 @@ def _jsonl_records(file: Path, max_record_bytes: int) -> Iterator[RawRecord | Ov
                 raw = raw[len(_BOM) :]
             if len(raw) > max_record_bytes:
                 size = len(raw)
-                while not raw.endswith(b"\n"):  # skip the rest of the line, 1 MiB at a time
-                    raw = f.readline(1 << 20)
+                while not raw.endswith(end):  # skip the rest of the line, 1 MiB at a time
+                    raw = readline(1 << 20)
                     if not raw:
                         break
                     size += len(raw)
@@ -239,9 +278,10 @@ def count_records(files: list[Path]) -> int:
             n += table_rows(file)
             continue
         with open(file, "rb") as f:
+            end = b"\r" if _cr_only(f) else b"\n"
             blank = True  # the current line so far holds only whitespace
             for chunk in iter(lambda: f.read(1 << 20), b""):
-                parts = chunk.split(b"\n")
+                parts = chunk.split(end)
                 for i, part in enumerate(parts):
                     blank = blank and not part.strip()
                     if i < len(parts) - 1:  # a newline ends this part's line
