@@ -478,6 +478,7 @@ def _as_loss(out) -> torch.Tensor:
 
 def section_loss(ctx: Context) -> dict:
     from dflash_trainer.loss import fused_draft_loss, reference_draft_loss
+    from dflash_trainer.loss.fused import epilogue_kind
 
     s, dev = ctx.sizes, ctx.device
     n, h, v, c = s.loss_n, s.loss_h, s.loss_v, s.loss_chunk
@@ -491,14 +492,20 @@ def section_loss(ctx: Context) -> dict:
     a = LOSS_TERMS["kl_weight"]
     gemm_kl, gemm_ce = 6 * n * h * v, 4 * n * h * v  # student + teacher logits + G @ W; CE: no teacher
 
-    def fused(**terms):
-        return lambda: fused_draft_loss(hs, ht if terms else None, head, labels, weights, chunk_size=c, **terms)[0]
+    def fused(compile="auto", **terms):
+        return lambda: fused_draft_loss(
+            hs, ht if terms else None, head, labels, weights, chunk_size=c, compile=compile, **terms
+        )[0]
 
+    # The chunk epilogue "auto" runs here (Triton on CUDA where triton imports), and inductor's beside it.
+    kernel = epilogue_kind("auto", dev, dtype, n * v)
     variants = [
         ("fused CE + 15% KL + CAP", fused(**LOSS_TERMS), gemm_kl),
         ("fused CE + 15% KL", fused(kl_weight=a), gemm_kl),
         ("fused CE", fused(), gemm_ce),
     ]
+    if kernel != "inductor" and dev.type == "cuda":
+        variants.append(("fused CE + 15% KL + CAP, inductor epilogue", fused("inductor", **LOSS_TERMS), gemm_kl))
     liger_note = None
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
@@ -542,6 +549,7 @@ def section_loss(ctx: Context) -> dict:
         "rows": rows,
         "comparisons": [],
         "liger_note": liger_note,
+        "kernel": kernel,
     }
     ctx.partial = result
     for name, loss_fn, flops in variants:
@@ -955,6 +963,8 @@ def _render_loss(r: dict) -> list[str]:
         f"{sh['chunk']} rows; forward + backward, median of the timed runs after a warm-up; peak = allocated "
         f"above the inputs. GEMM efficiency = GEMM FLOPs / time / {r['matmul_tflops']:.3g} TFLOP/s (measured "
         "bf16 matmul of the chunk's shape).",
+        "",
+        f"The fused rows' chunk epilogue: {r.get('kernel', '?')} (what compile='auto' chose here).",
         "",
         "| variant | fwd+bwd s | peak extra GB | GEMM eff. | loss | result |",
         "|---|---|---|---|---|---|",

@@ -349,24 +349,37 @@ def _graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
-    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "inductor"
-    or "eager", assuming a native kernel can be built (the planner's view; ``epilogue_kind`` checks).
+TRITON_DTYPES = (torch.bfloat16, torch.float32)  # heads the Triton kernel takes (loss/triton_epilogue.py)
+COMPILE_CHOICES = (True, False, "auto", "native", "triton", "inductor")
 
-    ``compile``: "native" (the CPU kernel), "inductor", True (the kernel for the device: native on the
-    CPU for bf16/fp32/fp64 heads, else inductor), False (eager passes) or "auto": the environment's
-    DFLASH_LOSS_COMPILE (0, 1, inductor, or native where it applies) if set, else the native kernel where it applies
-    (building it costs about a second, once per machine) and inductor for ``logits`` = N x V >=
-    COMPILE_MIN_LOGITS elsewhere.
+
+def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
+    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "triton",
+    "inductor" or "eager", assuming the kernel it names can be built (the planner's view;
+    ``epilogue_kind`` checks).
+
+    ``compile``: "native" (the CPU kernel), "triton" (the CUDA kernel; on the CPU only under
+    ``TRITON_INTERPRET=1``), "inductor", True (the kernel for the device: native on the CPU for
+    bf16/fp32/fp64 heads, Triton on CUDA for bf16/fp32 heads, else inductor), False (eager passes) or
+    "auto": the environment's DFLASH_LOSS_COMPILE (0, 1, inductor, or native / triton where it applies)
+    if set, else the device's kernel where it applies (building it costs about a second, once per
+    machine or process) and inductor for ``logits`` = N x V >= COMPILE_MIN_LOGITS elsewhere.
     """
     native_fits = device_type == "cpu" and dtype in native.ENTRY
-    if compile == "auto":  # the environment asks for the native kernel where it applies
+    triton_fits = device_type == "cuda" and dtype in TRITON_DTYPES
+    if compile == "auto":  # the environment asks for a kernel where it applies
         env = os.environ.get(COMPILE_ENV, "")
-        by_env = {"0": False, "1": True, "native": "native" if native_fits else "auto", "inductor": "inductor"}
+        by_env = {
+            "0": False,
+            "1": True,
+            "native": "native" if native_fits else "auto",
+            "triton": "triton" if triton_fits else "auto",
+            "inductor": "inductor",
+        }
         compile = by_env.get(env, "auto")
-    if compile not in (True, False, "auto", "native", "inductor"):
+    if compile not in COMPILE_CHOICES:
         raise ValueError(
-            f"fused_draft_loss: compile must be 'auto', True, False, 'native' or 'inductor', got {compile!r}"
+            f"fused_draft_loss: compile must be 'auto', True, False, 'native', 'triton' or 'inductor', got {compile!r}"
         )
     if compile is False:
         return "eager"
@@ -374,21 +387,69 @@ def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, 
         raise ValueError(
             f"fused_draft_loss: compile='native' runs on the CPU with a bf16, fp32 or fp64 head, got {dtype} on {device_type}"
         )
+    if compile == "triton":
+        if dtype not in TRITON_DTYPES:
+            raise ValueError(f"fused_draft_loss: compile='triton' takes a bf16 or fp32 head, got {dtype}")
+        return "triton"
     if native_fits and compile in (True, "native", "auto"):
         return "native"
+    if triton_fits and compile in (True, "auto"):
+        return "triton"
     if compile in (True, "inductor") or logits >= COMPILE_MIN_LOGITS:
         return "inductor"
     return "eager"
 
 
 def epilogue_kind(compile: bool | str, device: torch.device, dtype: torch.dtype, logits: int) -> str:
-    """What a call runs: ``planned_epilogue``, except that a native kernel that cannot be built (warned
-    once) falls back to what "auto" would run without it: inductor for large calls, else eager."""
+    """What a call runs: ``planned_epilogue``, except that a kernel that cannot run here falls back to
+    what "auto" would run without it: inductor for large calls, else eager. A native kernel that cannot
+    be built warns once; Triton chosen by default but not installed falls back silently (inductor, as
+    before it existed); Triton asked for by name where it cannot run is an error."""
     kind = planned_epilogue(compile, device.type, dtype, logits)
     if kind == "native" and native.load() is None:
         _warn_native_unavailable()
         kind = "inductor" if logits >= COMPILE_MIN_LOGITS else "eager"
+    if kind == "triton" and not triton_runs_on(device):
+        if compile == "triton" or (compile == "auto" and os.environ.get(COMPILE_ENV) == "triton"):
+            raise ValueError(
+                f"fused_draft_loss: compile='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on the "
+                f"CPU); here: {TRITON_ERROR or 'device ' + device.type}"
+            )
+        kind = "inductor" if compile is True or logits >= COMPILE_MIN_LOGITS else "eager"  # as before Triton
     return kind
+
+
+_triton_module = None
+TRITON_ERROR: str | None = None
+
+
+def triton_epilogue():
+    """The Triton kernel module, or None (``TRITON_ERROR`` says why) where triton is not importable.
+
+    Imported on first use, not with this module: importing triton takes about a second, and
+    ``TRITON_INTERPRET`` is read when the kernel is decorated, so a caller sets it before the first call."""
+    global _triton_module, TRITON_ERROR
+    if _triton_module is None and TRITON_ERROR is None:
+        try:
+            from . import triton_epilogue as module
+        except ImportError as e:
+            TRITON_ERROR = f"{type(e).__name__}: {e}"
+        else:
+            _triton_module = module
+    return _triton_module
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernel can run on ``device``: CUDA, or the CPU under the interpreter."""
+    module = triton_epilogue()
+    return module is not None and (device.type == "cuda" or (device.type == "cpu" and module.INTERPRETED))
+
+
+def _triton_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
+    """The Triton kernel (``loss/triton_epilogue.py``): row terms, G in ``g_out``."""
+    return triton_epilogue().chunk_epilogue(
+        zs_raw, zt_raw, y, coef, g_out, t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap
+    )
 
 
 _NATIVE_WARNED = False
@@ -404,7 +465,7 @@ def _warn_native_unavailable() -> None:
         )
 
 
-EPILOGUES = {"native": _native_epilogue, "inductor": _inductor_epilogue, "eager": None}
+EPILOGUES = {"native": _native_epilogue, "triton": _triton_epilogue, "inductor": _inductor_epilogue, "eager": None}
 
 
 @torch.no_grad()
@@ -747,8 +808,8 @@ def fused_draft_loss(
         _check("slot_ids", slot_ids.shape == (n,), f"[{n}] ids in [0, {num_slots})", tuple(slot_ids.shape))
     _check(
         "compile",
-        compile in (True, False, "auto", "native", "inductor"),
-        "'auto', True, False, 'native' or 'inductor'",
+        compile in COMPILE_CHOICES,
+        "'auto', True, False, 'native', 'triton' or 'inductor'",
         repr(compile),
     )
     policy = ("true" if compile else "false") if isinstance(compile, bool) else compile
