@@ -892,6 +892,47 @@ def _e(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
+def _version(module: str) -> str | None:
+    """The installed version of ``module``'s distribution, or None where it does not import."""
+    try:
+        mod = __import__(module)
+    except Exception:  # noqa: BLE001 - a broken install is as good as none for this report
+        return None
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def fast_paths(device: torch.device) -> dict:
+    """Which optional fast paths this machine has (the [gpu] extra) and which ones a run takes: the loss's
+    chunk epilogue for a bf16 head of the seed's shape, and the functions transformers' hybrid
+    (Gated DeltaNet) layers resolved at import: flash-linear-attention / causal-conv1d kernels or its
+    torch loops."""
+    from dflash_trainer.loss.fused import epilogue_kind
+
+    found = {name: _version(module) for name, module in FAST_PATH_PACKAGES.items()}
+    used = {"loss chunk epilogue (bf16 head)": epilogue_kind("auto", device, torch.bfloat16, 24_576 * 248_320)}
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hybrid
+
+        for what, fn in (
+            ("hybrid layers: gated delta rule", hybrid.torch_chunk_gated_delta_rule),
+            ("hybrid layers: short convolution", hybrid.causal_conv1d_fn),
+        ):
+            module = getattr(fn, "__module__", "") or ""
+            used[what] = module.split(".")[0] if not module.startswith("transformers") else "torch fallback"
+    except (ImportError, AttributeError) as exc:
+        used["hybrid layers"] = f"not inspected ({first_line(exc)})"
+    return {"found": found, "used": used}
+
+
+# Package (as pip names it) -> module, for the fast-path report.
+FAST_PATH_PACKAGES = {
+    "triton": "triton",
+    "flash-linear-attention": "fla",
+    "causal-conv1d": "causal_conv1d",
+    "liger-kernel": "liger_kernel",
+}
+
+
 def render(results: dict) -> str:
     m = results["meta"]
     lines = [
@@ -900,6 +941,11 @@ def render(results: dict) -> str:
         f"`{m['command']}`; {m['elapsed_s']:.0f} s in all. GB = 1e9 bytes.",
         "",
     ]
+    if "fast_paths" in m:
+        fp = m["fast_paths"]
+        found = ", ".join(f"{k} {v or 'not installed'}" for k, v in fp["found"].items())
+        used = ", ".join(f"{k}: {v}" for k, v in fp["used"].items())
+        lines += [f"Fast paths found: {found}. Used: {used}.", ""]
     for name in SECTIONS:
         sec = results["sections"].get(name)
         if sec is None:
@@ -1135,6 +1181,7 @@ def main(argv=None) -> int:
             "budget_s": args.budget,
             "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "elapsed_s": 0.0,
+            "fast_paths": fast_paths(device),
         },
         "sections": {},
     }
