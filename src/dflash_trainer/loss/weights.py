@@ -24,7 +24,9 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
     if not gamma > 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
-    w = torch.tensor([0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)], dtype=torch.float64, device="cpu")
+    w = torch.tensor(
+        [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)], dtype=torch.float64, device="cpu"
+    )
     return w
 
 
