@@ -252,7 +252,7 @@ def trace_target(cfg, shape) -> dict:
             for i in ids_layers
         ]
         t0 = time.perf_counter()
-        hooks += [  # progress: a 65,536-token row through 48 torch-fallback recurrences takes minutes
+        hooks += [  # progress: 65,536 tokens through 48 torch-fallback recurrences take many minutes
             layer.register_forward_pre_hook(
                 lambda _m, _a, i=i: print(f"  target layer {i} at {time.perf_counter() - t0:.0f} s", flush=True)
             )
