@@ -478,6 +478,7 @@ def _as_loss(out) -> torch.Tensor:
 
 def section_loss(ctx: Context) -> dict:
     from dflash_trainer.loss import fused_draft_loss, reference_draft_loss
+    from dflash_trainer.loss.fused import epilogue_kind
 
     s, dev = ctx.sizes, ctx.device
     n, h, v, c = s.loss_n, s.loss_h, s.loss_v, s.loss_chunk
@@ -491,14 +492,20 @@ def section_loss(ctx: Context) -> dict:
     a = LOSS_TERMS["kl_weight"]
     gemm_kl, gemm_ce = 6 * n * h * v, 4 * n * h * v  # student + teacher logits + G @ W; CE: no teacher
 
-    def fused(**terms):
-        return lambda: fused_draft_loss(hs, ht if terms else None, head, labels, weights, chunk_size=c, **terms)[0]
+    def fused(compile="auto", **terms):
+        return lambda: fused_draft_loss(
+            hs, ht if terms else None, head, labels, weights, chunk_size=c, compile=compile, **terms
+        )[0]
 
+    # The chunk epilogue "auto" runs here (Triton on CUDA where triton imports), and inductor's beside it.
+    kernel = epilogue_kind("auto", dev, dtype, n * v)
     variants = [
         ("fused CE + 15% KL + CAP", fused(**LOSS_TERMS), gemm_kl),
         ("fused CE + 15% KL", fused(kl_weight=a), gemm_kl),
         ("fused CE", fused(), gemm_ce),
     ]
+    if kernel != "inductor" and dev.type == "cuda":
+        variants.append(("fused CE + 15% KL + CAP, inductor epilogue", fused("inductor", **LOSS_TERMS), gemm_kl))
     liger_note = None
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
@@ -542,6 +549,7 @@ def section_loss(ctx: Context) -> dict:
         "rows": rows,
         "comparisons": [],
         "liger_note": liger_note,
+        "kernel": kernel,
     }
     ctx.partial = result
     for name, loss_fn, flops in variants:
@@ -884,6 +892,47 @@ def _e(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
+def _version(module: str) -> str | None:
+    """The installed version of ``module``'s distribution, or None where it does not import."""
+    try:
+        mod = __import__(module)
+    except Exception:  # noqa: BLE001 - a broken install is as good as none for this report
+        return None
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def fast_paths(device: torch.device) -> dict:
+    """Which optional fast paths this machine has (the [gpu] extra) and which ones a run takes: the loss's
+    chunk epilogue for a bf16 head of the seed's shape, and the functions transformers' hybrid
+    (Gated DeltaNet) layers resolved at import: flash-linear-attention / causal-conv1d kernels or its
+    torch loops."""
+    from dflash_trainer.loss.fused import epilogue_kind
+
+    found = {name: _version(module) for name, module in FAST_PATH_PACKAGES.items()}
+    used = {"loss chunk epilogue (bf16 head)": epilogue_kind("auto", device, torch.bfloat16, 24_576 * 248_320)}
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hybrid
+
+        for what, fn in (
+            ("hybrid layers: gated delta rule", hybrid.torch_chunk_gated_delta_rule),
+            ("hybrid layers: short convolution", hybrid.causal_conv1d_fn),
+        ):
+            module = getattr(fn, "__module__", "") or ""
+            used[what] = module.split(".")[0] if not module.startswith("transformers") else "torch fallback"
+    except (ImportError, AttributeError) as exc:
+        used["hybrid layers"] = f"not inspected ({first_line(exc)})"
+    return {"found": found, "used": used}
+
+
+# Package (as pip names it) -> module, for the fast-path report.
+FAST_PATH_PACKAGES = {
+    "triton": "triton",
+    "flash-linear-attention": "fla",
+    "causal-conv1d": "causal_conv1d",
+    "liger-kernel": "liger_kernel",
+}
+
+
 def render(results: dict) -> str:
     m = results["meta"]
     lines = [
@@ -892,6 +941,11 @@ def render(results: dict) -> str:
         f"`{m['command']}`; {m['elapsed_s']:.0f} s in all. GB = 1e9 bytes.",
         "",
     ]
+    if "fast_paths" in m:
+        fp = m["fast_paths"]
+        found = ", ".join(f"{k} {v or 'not installed'}" for k, v in fp["found"].items())
+        used = ", ".join(f"{k}: {v}" for k, v in fp["used"].items())
+        lines += [f"Fast paths found: {found}. Used: {used}.", ""]
     for name in SECTIONS:
         sec = results["sections"].get(name)
         if sec is None:
@@ -955,6 +1009,8 @@ def _render_loss(r: dict) -> list[str]:
         f"{sh['chunk']} rows; forward + backward, median of the timed runs after a warm-up; peak = allocated "
         f"above the inputs. GEMM efficiency = GEMM FLOPs / time / {r['matmul_tflops']:.3g} TFLOP/s (measured "
         "bf16 matmul of the chunk's shape).",
+        "",
+        f"The fused rows' chunk epilogue: {r.get('kernel', '?')} (what compile='auto' chose here).",
         "",
         "| variant | fwd+bwd s | peak extra GB | GEMM eff. | loss | result |",
         "|---|---|---|---|---|---|",
@@ -1125,6 +1181,7 @@ def main(argv=None) -> int:
             "budget_s": args.budget,
             "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "elapsed_s": 0.0,
+            "fast_paths": fast_paths(device),
         },
         "sections": {},
     }

@@ -42,11 +42,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(debug: str = "DETAIL") -> dict:
+    """One thread per process; TORCH_DISTRIBUTED_DEBUG=DETAIL makes gloo check that every rank calls the
+    same collective with the same shapes, so a mismatch fails here instead of hanging NCCL on a GPU.
+    (DETAIL with DDP on gloo crashes the drafter ranks with SIGSEGV in torch 2.13: the DDP launch runs
+    with INFO, which checks DDP's setup across ranks but not every collective.)"""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_DISTRIBUTED_DEBUG": debug,
+    }
 
 
-def launch(out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
+def launch(
+    out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = (), debug: str = "DETAIL"
+) -> subprocess.Popen:
     """``torchrun --nproc-per-node N -m dflash_trainer.cli train ...`` (or one plain process for N = 1)."""
     args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
     for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
@@ -69,14 +81,20 @@ def launch(out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...
             *args,
         ]
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(debug), start_new_session=True
     )
 
 
 def run(
-    out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = (), timeout: int = 300
+    out: Path,
+    data: Path,
+    nproc: int,
+    *extra: str,
+    flags: tuple[str, ...] = (),
+    timeout: int = 300,
+    debug: str = "DETAIL",
 ) -> subprocess.CompletedProcess:
-    proc = launch(out, data, nproc, *extra, flags=flags)
+    proc = launch(out, data, nproc, *extra, flags=flags, debug=debug)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -146,7 +164,7 @@ def test_two_targets_one_drafter_equal_one_process(single, data, tmp_path):
 
 def test_two_targets_two_data_parallel_drafters_equal_one_process(single, data, tmp_path):
     out = tmp_path / "run"
-    result = run(out, data, 4, "topology.target_ranks=2", "topology.drafter_ranks=2")
+    result = run(out, data, 4, "topology.target_ranks=2", "topology.drafter_ranks=2", debug="INFO")
     assert result.returncode == 0, result.stderr[-3000:]
     # DDP averages gradients in another order than one process accumulates them: equal to 1e-6
     assert_same_losses(losses(single), losses(out))

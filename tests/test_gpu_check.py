@@ -37,6 +37,12 @@ def test_small_run_passes_every_section(small_run):
     md = (out / "gpu.md").read_text()
     for name in gpu_check.SECTIONS:
         assert f"## {name}" in md
+    # which fast paths were found and used: the CPU takes the native loss kernel, hybrids their torch loops
+    fp = data["meta"]["fast_paths"]
+    assert set(fp["found"]) == set(gpu_check.FAST_PATH_PACKAGES)
+    assert fp["used"]["loss chunk epilogue (bf16 head)"] == "native"
+    assert fp["used"]["hybrid layers: gated delta rule"] in ("torch fallback", "fla")
+    assert "Fast paths found: triton" in md
 
 
 def test_attention_flex_matches_dense_on_documents_and_windows(small_run):

@@ -133,9 +133,19 @@ def test_kernel_policy(monkeypatch):
     # On the CPU the native kernel runs at every size (a build costs about a second, once per machine).
     assert kind("auto", cpu, torch.bfloat16, 256 * 8192) == "native"
     assert kind("auto", cpu, torch.float64, 10) == kind(True, cpu, torch.float32, 10) == "native"
-    # Elsewhere inductor, when the call is big enough for a compile to pay (the device is not touched).
+    # On CUDA the Triton kernel where triton imports (bf16/fp32 heads; the device is not touched) ...
+    if fused.triton_epilogue() is not None:
+        assert kind("auto", cuda, torch.bfloat16, 256 * 8192) == kind(True, cuda, torch.float32, 10) == "triton"
+    assert kind("auto", cuda, torch.float64, 10) == "eager"
+    with pytest.raises(ValueError, match="compile='triton' takes a bf16 or fp32 head"):
+        kind("triton", cuda, torch.float64, 10)
+    # ... and without it inductor, when the call is big enough for a compile to pay: import triton failing
+    monkeypatch.setattr(fused, "_triton_module", None)
+    monkeypatch.setattr(fused, "TRITON_ERROR", "ImportError: No module named 'triton'")
     assert kind("auto", cuda, torch.bfloat16, 256 * 8192) == "eager"
     assert kind("auto", cuda, torch.bfloat16, 4096 * 32000) == kind(True, cuda, torch.bfloat16, 10) == "inductor"
+    with pytest.raises(ValueError, match="needs triton and a CUDA device.*No module named"):
+        kind("triton", cuda, torch.bfloat16, 10)
     assert kind("auto", cpu, torch.float16, 10) == "eager" and kind(True, cpu, torch.float16, 10) == "inductor"
     assert kind(False, cpu, torch.float32, 10**9) == "eager" and kind("inductor", cpu, torch.float32, 1) == "inductor"
     with pytest.raises(ValueError, match="compile='native' runs on the CPU"):
@@ -394,6 +404,10 @@ class OpRecorder(TorchDispatchMode):
         self.ops, self.largest = [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inner = fused.IMPLEMENTATIONS.get(func.overloadpacket._qualified_op_name)
+        if inner is not None:  # the loss's custom ops are opaque to the mode: record what runs inside them
+            with self:
+                return inner(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         self.ops.append(func.overloadpacket.__name__)
         for t in out if isinstance(out, (tuple, list)) else (out,):

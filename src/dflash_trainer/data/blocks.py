@@ -33,7 +33,7 @@ def sample_anchors(
     valid = valid_anchor_positions(loss_mask, doc_ids, block_size)
     if valid.numel() <= max_anchors:
         return valid
-    pick = torch.randperm(valid.numel(), generator=generator)[:max_anchors].to(valid.device)
+    pick = torch.randperm(valid.numel(), generator=generator, device=generator.device)[:max_anchors].to(valid.device)
     return valid[pick].sort().values
 
 

@@ -1,12 +1,15 @@
 """The fused draft loss: CE + soft KL + CAP from hidden states, never materializing ``[N, V]``.
 
-One ``torch.autograd.Function`` walks the rows in chunks of ``c``. Per chunk it computes the student
+A ``torch.library`` custom op (``dflash_trainer::fused_draft_loss``, its backward a second op, both
+with fake implementations for meta and fake tensors, so that ``torch.compile(fullgraph=True)`` and
+memory traces see through a step) walks the rows in chunks of ``c``. Per chunk it computes the student
 and teacher logits in fp32 (fp64 for fp64 inputs), the loss terms, and the closed-form gradient with
 respect to the student logits (shared/DESIGN.md section 3):
 
     G_i = w_i [ (1-a)(p_i - e_y) + a T (p_i^T - q_i^T) ] / sum w  -  (lambda / n_correct) / Tc * pc_i (log pc_i + H_i)
 
-then writes ``dh_s[chunk] = G @ W`` (chain rule through the target's logit scale and softcap
+then writes ``dh_s[chunk] = G @ W`` (``dh_s`` spans all N rows, zero where the weight is 0, so the op's
+outputs have static shapes; chain rule through the target's logit scale and softcap
 included). Backward only returns ``grad_output * dh_s``: the head is frozen, so there is no weight
 gradient, and the GEMM work is 6NHV FLOPs in all (student logits, teacher logits, G @ W).
 
@@ -346,24 +349,37 @@ def _graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
-    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "inductor"
-    or "eager", assuming a native kernel can be built (the planner's view; ``epilogue_kind`` checks).
+TRITON_DTYPES = (torch.bfloat16, torch.float32)  # heads the Triton kernel takes (loss/triton_epilogue.py)
+COMPILE_CHOICES = (True, False, "auto", "native", "triton", "inductor")
 
-    ``compile``: "native" (the CPU kernel), "inductor", True (the kernel for the device: native on the
-    CPU for bf16/fp32/fp64 heads, else inductor), False (eager passes) or "auto": the environment's
-    DFLASH_LOSS_COMPILE (0, 1, inductor, or native where it applies) if set, else the native kernel where it applies
-    (building it costs about a second, once per machine) and inductor for ``logits`` = N x V >=
-    COMPILE_MIN_LOGITS elsewhere.
+
+def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
+    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "triton",
+    "inductor" or "eager", assuming the kernel it names can be built (the planner's view;
+    ``epilogue_kind`` checks).
+
+    ``compile``: "native" (the CPU kernel), "triton" (the CUDA kernel; on the CPU only under
+    ``TRITON_INTERPRET=1``), "inductor", True (the kernel for the device: native on the CPU for
+    bf16/fp32/fp64 heads, Triton on CUDA for bf16/fp32 heads, else inductor), False (eager passes) or
+    "auto": the environment's DFLASH_LOSS_COMPILE (0, 1, inductor, or native / triton where it applies)
+    if set, else the device's kernel where it applies (building it costs about a second, once per
+    machine or process) and inductor for ``logits`` = N x V >= COMPILE_MIN_LOGITS elsewhere.
     """
     native_fits = device_type == "cpu" and dtype in native.ENTRY
-    if compile == "auto":  # the environment asks for the native kernel where it applies
+    triton_fits = device_type == "cuda" and dtype in TRITON_DTYPES
+    if compile == "auto":  # the environment asks for a kernel where it applies
         env = os.environ.get(COMPILE_ENV, "")
-        by_env = {"0": False, "1": True, "native": "native" if native_fits else "auto", "inductor": "inductor"}
+        by_env = {
+            "0": False,
+            "1": True,
+            "native": "native" if native_fits else "auto",
+            "triton": "triton" if triton_fits else "auto",
+            "inductor": "inductor",
+        }
         compile = by_env.get(env, "auto")
-    if compile not in (True, False, "auto", "native", "inductor"):
+    if compile not in COMPILE_CHOICES:
         raise ValueError(
-            f"fused_draft_loss: compile must be 'auto', True, False, 'native' or 'inductor', got {compile!r}"
+            f"fused_draft_loss: compile must be 'auto', True, False, 'native', 'triton' or 'inductor', got {compile!r}"
         )
     if compile is False:
         return "eager"
@@ -371,21 +387,69 @@ def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, 
         raise ValueError(
             f"fused_draft_loss: compile='native' runs on the CPU with a bf16, fp32 or fp64 head, got {dtype} on {device_type}"
         )
+    if compile == "triton":
+        if dtype not in TRITON_DTYPES:
+            raise ValueError(f"fused_draft_loss: compile='triton' takes a bf16 or fp32 head, got {dtype}")
+        return "triton"
     if native_fits and compile in (True, "native", "auto"):
         return "native"
+    if triton_fits and compile in (True, "auto"):
+        return "triton"
     if compile in (True, "inductor") or logits >= COMPILE_MIN_LOGITS:
         return "inductor"
     return "eager"
 
 
 def epilogue_kind(compile: bool | str, device: torch.device, dtype: torch.dtype, logits: int) -> str:
-    """What a call runs: ``planned_epilogue``, except that a native kernel that cannot be built (warned
-    once) falls back to what "auto" would run without it: inductor for large calls, else eager."""
+    """What a call runs: ``planned_epilogue``, except that a kernel that cannot run here falls back to
+    what "auto" would run without it: inductor for large calls, else eager. A native kernel that cannot
+    be built warns once; Triton chosen by default but not installed falls back silently (inductor, as
+    before it existed); Triton asked for by name where it cannot run is an error."""
     kind = planned_epilogue(compile, device.type, dtype, logits)
     if kind == "native" and native.load() is None:
         _warn_native_unavailable()
         kind = "inductor" if logits >= COMPILE_MIN_LOGITS else "eager"
+    if kind == "triton" and not triton_runs_on(device):
+        if compile == "triton" or (compile == "auto" and os.environ.get(COMPILE_ENV) == "triton"):
+            raise ValueError(
+                f"fused_draft_loss: compile='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on the "
+                f"CPU); here: {TRITON_ERROR or 'device ' + device.type}"
+            )
+        kind = "inductor" if compile is True or logits >= COMPILE_MIN_LOGITS else "eager"  # as before Triton
     return kind
+
+
+_triton_module = None
+TRITON_ERROR: str | None = None
+
+
+def triton_epilogue():
+    """The Triton kernel module, or None (``TRITON_ERROR`` says why) where triton is not importable.
+
+    Imported on first use, not with this module: importing triton takes about a second, and
+    ``TRITON_INTERPRET`` is read when the kernel is decorated, so a caller sets it before the first call."""
+    global _triton_module, TRITON_ERROR
+    if _triton_module is None and TRITON_ERROR is None:
+        try:
+            from . import triton_epilogue as module
+        except ImportError as e:
+            TRITON_ERROR = f"{type(e).__name__}: {e}"
+        else:
+            _triton_module = module
+    return _triton_module
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernel can run on ``device``: CUDA, or the CPU under the interpreter."""
+    module = triton_epilogue()
+    return module is not None and (device.type == "cuda" or (device.type == "cpu" and module.INTERPRETED))
+
+
+def _triton_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
+    """The Triton kernel (``loss/triton_epilogue.py``): row terms, G in ``g_out``."""
+    return triton_epilogue().chunk_epilogue(
+        zs_raw, zt_raw, y, coef, g_out, t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap
+    )
 
 
 _NATIVE_WARNED = False
@@ -401,19 +465,33 @@ def _warn_native_unavailable() -> None:
         )
 
 
-EPILOGUES = {"native": _native_epilogue, "inductor": _inductor_epilogue, "eager": None}
+EPILOGUES = {"native": _native_epilogue, "triton": _triton_epilogue, "inductor": _inductor_epilogue, "eager": None}
 
 
 @torch.no_grad()
 def _run_chunks(
-    hs, ht, weight, labels, weights, slot_ids, num_slots, t: LossTerms, chunk: int, want_grad: bool, compiled
+    hs,
+    ht,
+    weight,
+    labels,
+    weights,
+    slot_ids,
+    num_slots,
+    t: LossTerms,
+    chunk: int,
+    want_grad: bool,
+    compiled,
+    keep,
+    rows_in,
 ):
-    """The chunk loop. Inputs are already compacted to rows with weight > 0.
+    """The chunk loop. Inputs ``[n, ...]`` are already compacted to the rows with weight > 0; ``keep``
+    ``[n]`` says where each of them sits among the ``rows_in`` (N) rows of the call.
 
     Returns ``(loss, stats, dh)`` where ``stats`` is ``[num_slots or 1, 7]`` float64 sums of
     (rows, ce, kl, entropy of correct rows, correct, agreement, label probability) and ``dh``
-    ``[n, H]`` is the gradient of the loss w.r.t. ``hs`` (None unless ``want_grad``). ``compiled``
-    is the chunk epilogue kernel to use (``EPILOGUES``; None: the eager passes of ``_eager_chunk``).
+    ``[N, H]`` is the gradient of the loss w.r.t. the uncompacted student rows, zero at weight-0 rows
+    (None unless ``want_grad``). ``compiled`` is the chunk epilogue kernel to use (``EPILOGUES``;
+    None: the eager passes of ``_eager_chunk``).
     """
     n, hidden = hs.shape
     f = torch.promote_types(hs.dtype, torch.float32)
@@ -421,8 +499,10 @@ def _run_chunks(
     inv_wsum = 1.0 / weights.double().sum().item()
     dev = hs.device
     stats = torch.zeros(num_slots or 1, 7, dtype=torch.float64, device=dev)
-    dh = torch.zeros(n, hidden, dtype=f, device=dev) if want_grad else None
-    dh_cap = torch.zeros(n, hidden, dtype=f, device=dev) if (want_grad and t.cap_weight > 0) else None
+    # dh spans all N rows, so that the op around this loop has outputs of static shape (which rows are
+    # kept is data); each chunk's G @ W goes to dh_chunk, then to its rows of dh.
+    dh = torch.zeros(rows_in, hidden, dtype=f, device=dev) if want_grad else None
+    dh_cap = torch.zeros(rows_in, hidden, dtype=f, device=dev) if (want_grad and t.cap_weight > 0) else None
     loss_main = torch.zeros((), dtype=torch.float64, device=dev)
     cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
     c_max, vocab = min(chunk, n), weight.shape[0]
@@ -438,6 +518,7 @@ def _run_chunks(
         return {name: torch.empty(c_max, cols, dtype=dtype, device=dev) for name, cols, need in needed if need}
 
     buffers = chunk_buffers(compiled is not None)
+    dh_chunk = torch.empty(c_max, hidden, dtype=f, device=dev) if want_grad else None
 
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
@@ -446,7 +527,7 @@ def _run_chunks(
         coef = w * inv_wsum  # [c] each row's share of the weighted mean
         y_data = labels[rows] if t.label_source == "data" else None
         ht_rows = ht[rows] if ht is not None else None
-        dh_rows = dh[rows] if want_grad else None
+        dh_rows = dh_chunk[:c] if want_grad else None
         args = (hs[rows], ht_rows, weight, y_data, coef, t, {k: b[:c] for k, b in buffers.items()}, dh_rows)
         out = _kernel_chunk(compiled, *args) if compiled is not None else None
         if out is None:  # the eager passes; from here on also where the kernel failed to compile
@@ -455,6 +536,8 @@ def _run_chunks(
                 args = (*args[:6], {k: b[:c] for k, b in buffers.items()}, dh_rows)
             out = _eager_chunk(*args)
         lse, z_y, s_arg, t_arg, entropy, kl, logits_of = out
+        if dh is not None:
+            dh.index_copy_(0, keep[rows], dh_rows)
         y = t_arg if t.label_source == "teacher" else y_data
         ce = lse - z_y
         correct = s_arg == y
@@ -475,7 +558,7 @@ def _run_chunks(
             g.add_(entropy[idx, None]).mul_(pc).mul_(-1.0 / tc)
             pc = None
             _chain_to_raw(g, z_idx, t)
-            dh_cap[start + idx] = g.to(weight.dtype).matmul(weight).to(f)
+            dh_cap[keep[start + idx]] = g.to(weight.dtype).matmul(weight).to(f)
             g = z_idx = None
 
         # Statistics, per slot when slot ids are given.
@@ -502,27 +585,142 @@ def _run_chunks(
     return loss, stats, dh
 
 
-class _FusedDraftLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hs, ht, weight, labels, weights, slot_ids, num_slots, terms, chunk, compiled):
-        loss, stats, dh = _run_chunks(
-            hs, ht, weight, labels, weights, slot_ids, num_slots, terms, chunk, True, compiled
-        )
-        ctx.save_for_backward(dh)
-        ctx.hs_dtype = hs.dtype
-        ctx.mark_non_differentiable(stats)
-        return loss.to(dh.dtype), stats
+# The loss as torch.library custom ops: opaque to torch.compile (no graph break: dynamo records one
+# call), with fake implementations that give the outputs' shapes on meta and fake tensors (tracing,
+# memory traces), and the autograd formula registered beside them. Outputs have static shapes: the
+# compaction to weight > 0 rows happens inside, and dh spans every row.
+OP_NAMESPACE = "dflash_trainer"
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_stats):
-        (dh,) = ctx.saved_tensors
-        grad_hs = (dh * grad_loss.to(dh.dtype)).to(ctx.hs_dtype)
-        return grad_hs, None, None, None, None, None, None, None, None, None
+
+def _loss_forward(
+    hs: torch.Tensor,
+    ht: torch.Tensor | None,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    weights: torch.Tensor,
+    slot_ids: torch.Tensor | None,
+    num_slots: int,
+    kl_weight: float,
+    temperature: float,
+    cap_weight: float,
+    cap_temperature: float,
+    label_source: str,
+    logit_scale: float,
+    softcap: float | None,
+    chunk: int,
+    policy: str,
+    want_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], stats [max(num_slots, 1), 7] float64, dh [N, H] or [0, H])`` of ``hs`` ``[N, H]``.
+
+    ``num_slots`` 0: no slots; ``policy`` is ``fused_draft_loss``'s ``compile`` as a string ("auto",
+    "native", "inductor", "true", "false"); ``dh`` (fp32, fp64 for fp64 inputs) is d loss / d hs, zero
+    at weight-0 rows, when ``want_grad``. The value checks that need the data run here."""
+    n, hidden = hs.shape
+    f = torch.promote_types(hs.dtype, torch.float32)
+    _check_values(weights, labels, slot_ids, num_slots, weight.shape[0], label_source)
+    terms = LossTerms(kl_weight, temperature, cap_weight, cap_temperature, label_source, logit_scale, softcap)
+    keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
+    if keep.numel() == 0:
+        dh = torch.zeros(n if want_grad else 0, hidden, dtype=f, device=hs.device)
+        return hs.new_zeros((), dtype=f), hs.new_zeros(max(num_slots, 1), 7, dtype=torch.float64), dh
+    compile = {"true": True, "false": False}.get(policy, policy)
+    compiled = EPILOGUES[epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0])]
+    loss, stats, dh = _run_chunks(
+        hs.index_select(0, keep),
+        ht.index_select(0, keep) if ht is not None else None,
+        weight,
+        labels.index_select(0, keep).long() if label_source == "data" else None,
+        weights.index_select(0, keep),
+        slot_ids.index_select(0, keep).long() if num_slots else None,
+        num_slots or None,
+        terms,
+        chunk,
+        want_grad,
+        compiled,
+        keep,
+        n,
+    )
+    if dh is None:
+        dh = torch.empty(0, hidden, dtype=f, device=hs.device)
+    return loss.to(f), stats, dh
+
+
+fused_draft_loss_op = torch.library.custom_op(f"{OP_NAMESPACE}::fused_draft_loss", _loss_forward, mutates_args=())
+
+
+@fused_draft_loss_op.register_fake
+def _(hs, ht, weight, labels, weights, slot_ids, num_slots, *terms_chunk_policy_want_grad):
+    """Shapes and dtypes only (meta and fake tensors: tracing, torch.compile, memory traces)."""
+    want_grad = terms_chunk_policy_want_grad[-1]
+    f = torch.promote_types(hs.dtype, torch.float32)
+    stats = hs.new_empty(max(num_slots, 1), 7, dtype=torch.float64)
+    return hs.new_empty((), dtype=f), stats, hs.new_empty(hs.shape[0] if want_grad else 0, hs.shape[1], dtype=f)
+
+
+def _loss_backward(dh: torch.Tensor, grad_loss: torch.Tensor, hs_dtype: torch.dtype) -> torch.Tensor:
+    """``grad_loss * dh`` ``[N, H]`` in the student's dtype: the head is frozen, so this is all of it."""
+    return (dh * grad_loss.to(dh.dtype)).to(hs_dtype)
+
+
+fused_draft_loss_backward_op = torch.library.custom_op(
+    f"{OP_NAMESPACE}::fused_draft_loss_backward", _loss_backward, mutates_args=()
+)
+
+
+@fused_draft_loss_backward_op.register_fake
+def _(dh, grad_loss, hs_dtype):
+    return dh.new_empty(dh.shape, dtype=hs_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.hs_dtype = inputs[0].dtype
+    ctx.save_for_backward(output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward(ctx, grad_loss, _grad_stats, _grad_dh):
+    (dh,) = ctx.saved_tensors
+    return (fused_draft_loss_backward_op(dh, grad_loss, ctx.hs_dtype),) + (None,) * 16
+
+
+fused_draft_loss_op.register_autograd(_backward, setup_context=_setup_context)
+# The ops' Python implementations by op name: what a dispatch mode that wants to look inside calls.
+IMPLEMENTATIONS = {
+    f"{OP_NAMESPACE}::fused_draft_loss": _loss_forward,
+    f"{OP_NAMESPACE}::fused_draft_loss_backward": _loss_backward,
+}
 
 
 def _check(name: str, ok: bool, expected: str, got) -> None:
     if not ok:
         raise ValueError(f"fused_draft_loss: {name} must be {expected}, got {got}")
+
+
+def _check_values(weights, labels, slot_ids, num_slots: int, vocab: int, label_source: str) -> None:
+    """The checks that read the data (inside the op: a traced caller never sees data-dependent branches)."""
+    n = weights.shape[0]
+    _check(
+        "weights",
+        bool(torch.isfinite(weights).all()) and bool((weights >= 0).all()),
+        "finite and >= 0",
+        f"min {weights.min().item() if n else 0}",
+    )
+    if label_source == "data":
+        valid = labels[weights > 0]
+        _check(
+            "labels",
+            valid.numel() == 0 or (int(valid.min()) >= 0 and int(valid.max()) < vocab),
+            f"token ids in [0, {vocab}) where weight > 0",
+            f"range [{int(valid.min())}, {int(valid.max())}]" if valid.numel() else None,
+        )
+    if slot_ids is not None:
+        _check(
+            "slot_ids",
+            n == 0 or (int(slot_ids.min()) >= 0 and int(slot_ids.max()) < num_slots),
+            f"[{n}] ids in [0, {num_slots})",
+            tuple(slot_ids.shape),
+        )
 
 
 def fused_draft_loss(
@@ -598,12 +796,6 @@ def fused_draft_loss(
         f"a floating [{n}] tensor",
         f"{tuple(weights.shape)} {weights.dtype}",
     )
-    _check(
-        "weights",
-        bool(torch.isfinite(weights).all()) and bool((weights >= 0).all()),
-        "finite and >= 0",
-        f"min {weights.min().item() if n else 0}",
-    )
     if label_source == "data":
         _check(
             "labels",
@@ -611,42 +803,35 @@ def fused_draft_loss(
             f"an integer [{n}] tensor",
             None if labels is None else f"{tuple(labels.shape)} {labels.dtype}",
         )
-        valid = labels[weights > 0]
-        _check(
-            "labels",
-            valid.numel() == 0 or (int(valid.min()) >= 0 and int(valid.max()) < vocab),
-            f"token ids in [0, {vocab}) where weight > 0",
-            f"range [{int(valid.min())}, {int(valid.max())}]" if valid.numel() else None,
-        )
     if slot_ids is not None:
         _check("num_slots", num_slots is not None and num_slots >= 1, "given with slot_ids", num_slots)
-        _check(
-            "slot_ids",
-            slot_ids.shape == (n,) and (n == 0 or (int(slot_ids.min()) >= 0 and int(slot_ids.max()) < num_slots)),
-            f"[{n}] ids in [0, {num_slots})",
-            tuple(slot_ids.shape),
-        )
-    terms = LossTerms(kl_weight, temperature, cap_weight, cap_temperature, label_source, logit_scale, softcap)
-    chunk = chunk_rows(vocab, chunk_size, memory_budget)
-    compiled = EPILOGUES[epilogue_kind(compile, hs.device, hs.dtype, n * vocab)]
-
-    keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
-    hs_k = hs.index_select(0, keep)  # differentiable: backward scatters into [N, H]
-    ht_k = ht.index_select(0, keep) if ht is not None else None
-    y_k = labels.index_select(0, keep).long() if label_source == "data" else None
-    w_k = weights.index_select(0, keep)
-    slots_k = slot_ids.index_select(0, keep).long() if slot_ids is not None else None
-    groups = num_slots if slot_ids is not None else None
-    if keep.numel() == 0:
-        loss = hs.sum().to(torch.promote_types(hs.dtype, torch.float32)) * 0.0
-        stats = torch.zeros(groups or 1, 7, dtype=torch.float64, device=hs.device)
-    elif torch.is_grad_enabled() and hs.requires_grad:
-        loss, stats = _FusedDraftLoss.apply(
-            hs_k, ht_k, w_head.detach(), y_k, w_k, slots_k, groups, terms, chunk, compiled
-        )
-    else:  # no_grad / inference: no gradient work at all
-        loss, stats, _ = _run_chunks(hs_k, ht_k, w_head, y_k, w_k, slots_k, groups, terms, chunk, False, compiled)
-        loss = loss.to(torch.promote_types(hs.dtype, torch.float32))
+        _check("slot_ids", slot_ids.shape == (n,), f"[{n}] ids in [0, {num_slots})", tuple(slot_ids.shape))
+    _check(
+        "compile",
+        compile in COMPILE_CHOICES,
+        "'auto', True, False, 'native', 'triton' or 'inductor'",
+        repr(compile),
+    )
+    policy = ("true" if compile else "false") if isinstance(compile, bool) else compile
+    loss, stats, _ = fused_draft_loss_op(
+        hs,
+        ht,
+        w_head.detach(),
+        labels if label_source == "data" else None,
+        weights,
+        slot_ids,
+        num_slots if slot_ids is not None else 0,
+        kl_weight,
+        temperature,
+        cap_weight,
+        cap_temperature,
+        label_source,
+        logit_scale,
+        softcap,
+        chunk_rows(vocab, chunk_size, memory_budget),
+        policy,
+        torch.is_grad_enabled() and hs.requires_grad,  # no_grad / inference: no gradient work at all
+    )
     return loss, _metrics(stats, ht is not None, slot_ids is not None)
 
 

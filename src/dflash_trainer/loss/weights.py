@@ -19,12 +19,14 @@ import torch
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """``[B]`` float64: ``w_0 = 0``, ``w_k = exp(-(k-1)/gamma)``."""
+    """``[B]`` float64 on the CPU (callers move it where their rows are): ``w_0 = 0``, ``w_k = exp(-(k-1)/gamma)``."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
     if not gamma > 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
-    w = torch.tensor([0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)], dtype=torch.float64)
+    w = torch.tensor(
+        [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)], dtype=torch.float64, device="cpu"
+    )
     return w
 
 

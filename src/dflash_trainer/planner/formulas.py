@@ -463,7 +463,8 @@ def loss_workspace(
 ) -> dict[str, int]:
     """The fused loss (``loss/fused.py``) on ``n = loss_rows`` rows in chunks of ``c`` rows.
 
-    ``dh_s`` ``[n, H]`` fp32 (twice with CAP). Per chunk, with ``kernel`` (the native CPU kernel or
+    ``dh_s`` ``[N, H]`` fp32 over all ``N = queries`` rows (the op's outputs have static shapes; twice
+    with CAP), and each chunk's ``[c, H]`` fp32 ``G @ W`` before it lands there. Per chunk, with ``kernel`` (the native CPU kernel or
     inductor's, ``loss.fused.planned_epilogue``): the raw student and teacher logits and G, ``[c, V]``
     in the head dtype, and ``G @ W``'s ``[c, H]`` output before its fp32 copy. Without (the eager
     passes): the reused fp32 ``[c, V]`` buffers ``zs`` and ``p``, ``zt`` when teacher states are given,
@@ -482,9 +483,10 @@ def loss_workspace(
     if w.cap_weight > 0:
         nc = int(round(c * correct_fraction))
         cap = nc * vocab * (2 * f + (t if t != f else 0))  # g = zs[idx], then exp / logsumexp, bf16 copy
-    dh = n * hidden * f * (2 if w.cap_weight > 0 else 1)
+    dh = w.queries * hidden * f * (2 if w.cap_weight > 0 else 1)
+    dh_chunk = c * hidden * f
     if kernel:
-        buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0)
+        buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0) + dh_chunk
         return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap}
     buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0)
     gemm = cv * t if t != f else 0
@@ -496,7 +498,7 @@ def loss_workspace(
         temp = max(temp, 2 * cv * f)
     grad_copy = cv * t if t != f else 0
     transient = max(gemm, vecdot, temp, grad_copy, cap)
-    return {"dh": dh, "chunk buffers": buffers * cv * f, "chunk transient": transient}
+    return {"dh": dh, "chunk buffers": buffers * cv * f + dh_chunk, "chunk transient": transient}
 
 
 def loss_inputs_bytes(w: Workload, hidden: int) -> int:
@@ -509,10 +511,10 @@ def loss_inputs_bytes(w: Workload, hidden: int) -> int:
 
 
 def loss_backward_bytes(w: Workload, hidden: int) -> int:
-    """The loss's backward: ``grad_output * dh_s`` (fp32), its cast to the head dtype, the ``[N, H]`` zeros
-    ``index_select``'s backward scatters into, and the fp32 gradient of the cast to the head dtype."""
-    N, n, t = w.queries, w.loss_rows, w.t
-    return n * hidden * 4 + (n * hidden * t if t != 4 else 0) + N * hidden * t + (N * hidden * 4 if t != 4 else 0)
+    """The loss's backward op: ``grad_output * dh_s`` ``[N, H]`` (fp32) and its cast to the head dtype,
+    then the fp32 gradient of ``loss_of``'s cast to the head dtype while the cast is alive."""
+    N, t = w.queries, w.t
+    return N * hidden * 4 + (N * hidden * t if t != 4 else 0)
 
 
 def chunk_for_budget(
