@@ -257,8 +257,12 @@ def main() -> None:
     ap.add_argument("--small-tokens", type=float, default=10e6, help="the second, smaller corpus of the read test")
     ap.add_argument("--write", action="store_true", help="write results even for a non-default size")
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--render", action="store_true", help="only rewrite results/data.md from results/data.json")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.render:
+        write_results(json.loads((RESULTS / "data.json").read_text()), args)
+        return
     if args.worker:
         kind, *rest = args.worker
         if kind == "prepare":
@@ -348,7 +352,9 @@ def write_results(r: dict, args) -> None:
         "",
         f"`.venv/bin/python benchmarks/bench_data.py` (this machine: {r['machine']['cpus']} cores; load average "
         f"{r['machine']['load_average_start'][0]:.1f} at the start, {r['machine']['load_average_end'][0]:.1f} at the end). "
-        f"Corpus: {p1['tokens'] / 1e6:,.1f} M tokens of chat records (~{TOKENS_PER_RECORD:,} tokens each), the tiny target's tokenizer.",
+        f"Corpus: {p1['tokens'] / 1e6:,.1f} M tokens of chat records (~{TOKENS_PER_RECORD:,} tokens each), the tiny target's tokenizer. "
+        "Other agents' jobs shared the machine during the later measurements (the load average above): times are "
+        "from one run each; the memory figures do not depend on the load.",
         "",
         "| | time | tokens/s | memory |",
         "|---|---|---|---|",
@@ -368,7 +374,7 @@ def write_results(r: dict, args) -> None:
         "",
         "Training-time reading (RowStream + StepPlan over the memory map, 200 steps x 4 rows):",
         "",
-        "| corpus | rows | anonymous RSS added | per corpus token | mapped file pages (page cache) | per row read |",
+        "| corpus | rows | anonymous RSS added | per corpus token | file-backed pages touched (the map and libraries: page cache) | per row read |",
         "|---|---|---|---|---|---|",
     ]
     for label in ("small", "large"):
