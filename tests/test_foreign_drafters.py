@@ -307,3 +307,88 @@ def test_a_refusal_in_eval_is_one_error_line(foreign, tmp_path):
     folder = edited(foreign, "spec-defaults", tmp_path, lambda c: c.update(sample_from_anchor=True))
     code, _, err = cli("eval", str(folder), "--data", str(tmp_path), "--out", str(tmp_path / "r"), cwd=tmp_path)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "sample_from_anchor is true" in err, err
+
+
+def test_a_drafter_trained_by_speculators_scores_the_same_tau_in_our_eval(tmp_path):
+    """speculators' own code trains a drafter (its layer config, from_training_args, forward and KL loss)
+    on the tiny target's greedy continuations (the demo's kind of data) and counts greedy acceptance
+    with its own model code at every valid anchor; this project's ``eval`` of the saved folder, scoring
+    every valid anchor too, gives the same tau."""
+    from test_eval import write_regenerated
+
+    from dflash_trainer.config import TargetConfig, load_config
+    from dflash_trainer.data.blocks import valid_anchor_positions
+    from dflash_trainer.data.documents import load_documents
+    from dflash_trainer.data.packing import doc_ids_from_positions, pack_documents
+    from dflash_trainer.model.loading import load_target
+
+    block, seq_len = 4, 512
+    model, tok, _ = load_target(TargetConfig(path="tiny", dtype="float32"))
+    data = write_regenerated(tmp_path / "data.jsonl", model, tok)
+    cfg = load_config([], [])
+    docs, _ = load_documents(  # the rows eval builds from the same file (commands/eval.py)
+        [str(data)],
+        tok,
+        vocab_size=model.config.vocab_size,
+        min_tokens=block,
+        max_bad_fraction=cfg.data.max_bad_fraction,
+        max_record_bytes=cfg.data.max_record_bytes,
+    )
+    rows = pack_documents(docs, seq_len, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    target = TargetModel(model, layer_ids=[*ZLAB_IDS, model.config.num_hidden_layers - 1])
+    hidden = model.config.hidden_size
+    tensors = {
+        k: [] for k in ("features", "last_hidden", "input_ids", "loss_mask", "document_ids", "position_ids", "anchors")
+    }
+    for row in rows:
+        ctx = target.features(row.input_ids, row.position_ids, need_teacher=False).context  # [L, 4H], pre-norm
+        doc = doc_ids_from_positions(row.position_ids)
+        anchors = valid_anchor_positions(row.loss_mask, doc, block)
+        # speculators never anchors in a row's last B positions: here those are padding
+        assert anchors.numel() == 0 or int(anchors.max()) < seq_len - block
+        marks = torch.zeros(seq_len, dtype=torch.long)
+        marks[anchors] = 1
+        for key, value in (
+            ("features", ctx[:, : 3 * hidden]),
+            ("last_hidden", ctx[:, 3 * hidden :]),  # speculators applies the verifier's final norm itself
+            ("input_ids", row.input_ids),
+            ("loss_mask", row.loss_mask),
+            ("document_ids", doc),
+            ("position_ids", row.position_ids),
+            ("anchors", marks),
+        ):
+            tensors[key].append(value)
+    save_file({k: torch.stack(v).contiguous() for k, v in tensors.items()}, str(tmp_path / "rows.safetensors"))
+    job = {
+        "verifier": str(tiny_target_path()),
+        "rows": str(tmp_path / "rows.safetensors"),
+        "out": str(tmp_path / "spec-trained"),
+        "result": str(tmp_path / "spec-tau.safetensors"),
+        "steps": 150,
+        "lr": 3e-3,
+        "block_size": block,
+        "aux_ids": [i + 1 for i in ZLAB_IDS],
+        "mask_token_id": tok.mask_token_id,
+        "max_anchors": 32,
+        "seed": 0,
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    run = subprocess.run(
+        [str(speculators_python()), str(EXTERNAL / "speculators_train.py"), str(tmp_path / "job.json")],
+        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = load_file(job["result"])
+    code, out, err = cli(
+        "eval", job["out"], "--data", str(data), "--out", str(tmp_path / "r"), "--budgets", "2",
+        "--max-blocks-per-row", "100000", "--set", f"data.seq_len={seq_len}", cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    mine = json.loads((tmp_path / "r" / "report.json").read_text())["checkpoints"][0]["report"]
+    spec_tau = float(theirs["tau"])
+    print(f"speculators-trained drafter: tau {spec_tau:.4f} in speculators' code, {mine['tau']:.4f} in eval, "
+          f"{mine['blocks']} blocks")  # fmt: skip
+    assert mine["blocks"] == theirs["accepted"].numel()
+    assert spec_tau > 1.5  # it learned: the comparison is not one of two all-rejecting drafters
+    assert abs(mine["tau"] - spec_tau) <= 1.0 / mine["blocks"] + 1e-9  # at most one slot's near-tie apart
