@@ -65,6 +65,7 @@ def external_python(name: str, packages: list[str], *, no_deps: bool = False) ->
 
 SPECULATORS = "speculators==0.9.0"
 ZLAB = "dflash==0.1.0"  # z-lab's own package (github z-lab/dflash): DFlashDraftModel, dflash_generate
+SPECFORGE = "specforge==0.2.0"  # SpecForge (sgl-project): its DFlashDraftModel writes the z-lab layout
 
 
 def speculators_python() -> Path:
@@ -74,3 +75,8 @@ def speculators_python() -> Path:
 def zlab_python() -> Path:
     # its pinned dependencies (datasets, requests, tqdm) serve its benchmark CLI, not the model code
     return external_python("zlab", [ZLAB], no_deps=True)
+
+
+def specforge_python() -> Path:
+    # its model code needs torch and transformers only; its dependencies (SGLang, ...) serve training
+    return external_python("specforge", [SPECFORGE], no_deps=True)

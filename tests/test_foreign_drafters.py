@@ -1,6 +1,7 @@
-"""Drafters this project did not write: folders written by speculators' own ``save_pretrained`` and by
+"""Drafters this project did not write: folders written by speculators' own ``save_pretrained``, by
 z-lab's own ``DFlashDraftModel`` (PyPI ``dflash``, also in the transformers-4 dialect of z-lab's
-published checkpoints), each in its separate venv (``external_venvs``), load through ``load_export``
+published checkpoints) and by SpecForge's ``DFlashDraftModel`` (PyPI ``specforge``), each in its
+separate venv (``external_venvs``), load through ``load_export``
 and compute the block logits the writer's own model code computes (1e-4); ``eval``, ``speculate`` and
 ``export --check`` take them; what this project's drafter cannot represent is one line."""
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from external_venvs import speculators_python, zlab_python
+from external_venvs import specforge_python, speculators_python, zlab_python
 from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, block_logits
 
@@ -42,7 +43,9 @@ SPECULATORS = {  # written by speculators' save_pretrained; RoPE theta is Qwen3C
     "spec-windows": (WINDOWS, {}),
     "spec-windows-non-causal": (WINDOWS, {"sliding_window_non_causal": True}),
 }
-ZLAB = ["zlab-saved", "zlab-published", "zlab-top-level"]
+ZLAB_CLASS = "dflash.model:DFlashDraftModel"  # z-lab's own
+SPECFORGE_CLASS = "specforge.modeling.draft.dflash:DFlashDraftModel"  # SpecForge's, the same layout
+ZLAB = ["zlab-saved", "zlab-published", "zlab-top-level", "specforge-saved"]
 
 
 def run_external(python, script, jobs, root):
@@ -116,41 +119,28 @@ def foreign(tmp_path_factory):
         root,
     )
     zlab = {**LAYER, "block_size": 8, "num_target_layers": 8}
-    python = zlab_python()
-    run_external(
-        python,
-        "zlab_drafter.py",
-        [
-            {
-                "out": str(root / "zlab-saved"),
-                "seed": 5,
-                "config": {**zlab, "dflash_config": {"mask_token_id": 3, "target_layer_ids": ZLAB_IDS}},
-            },
-            {
-                "out": str(root / "zlab-published"),
-                "seed": 6,
-                "config": {
-                    **zlab,
-                    "rope_theta": 1e6,
-                    "dflash_config": {"mask_token_id": 3, "target_layer_ids": ZLAB_IDS},
-                },
-            },
-            # z-lab's code reads each of its fields from dflash_config first, then from the top level
-            {
-                "out": str(root / "zlab-top-level"),
-                "seed": 7,
-                "config": {**zlab, "block_size": 6, "mask_token_id": 3, "target_layer_ids": ZLAB_IDS},
-            },
-        ],
-        root,
-    )
+    dflash = {"mask_token_id": 3, "target_layer_ids": ZLAB_IDS}
+    jobs = {
+        "zlab-saved": {"config": {**zlab, "dflash_config": dflash}},
+        "zlab-published": {"config": {**zlab, "rope_theta": 1e6, "dflash_config": dflash}},
+        # z-lab's code reads each of its fields from dflash_config first, then from the top level
+        "zlab-top-level": {"config": {**zlab, "block_size": 6, "mask_token_id": 3, "target_layer_ids": ZLAB_IDS}},
+        "specforge-saved": {"config": {**zlab, "dflash_config": dflash}},
+    }
+    for i, (name, job) in enumerate(jobs.items()):
+        job.update(
+            out=str(root / name), seed=10 + i, **{"class": SPECFORGE_CLASS if "specforge" in name else ZLAB_CLASS}
+        )
+    zlab_jobs = [job for name, job in jobs.items() if "specforge" not in name]
+    spec_jobs = [job for name, job in jobs.items() if "specforge" in name]
+    run_external(zlab_python(), "zlab_layout_drafter.py", zlab_jobs, root)
+    run_external(specforge_python(), "zlab_layout_drafter.py", spec_jobs, root)
     published_dialect(root / "zlab-published")
-    run_external(
-        python,
-        "zlab_drafter.py",
-        [{"out": str(root / n), "inputs": str(inputs), "output": str(root / f"{n}.out")} for n in ZLAB],
-        root,
-    )
+    for job in jobs.values():
+        job.pop("config")
+        job.update(inputs=str(inputs), output=f"{job['out']}.out")
+    run_external(zlab_python(), "zlab_layout_drafter.py", zlab_jobs, root)
+    run_external(specforge_python(), "zlab_layout_drafter.py", spec_jobs, root)
     return {"model": model, "tok": tok, "root": root, "s": {"ids": ids, "feats": feats}}
 
 
@@ -237,6 +227,8 @@ REFUSALS = [
     ("zlab-saved", lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash2"),
     ("zlab-saved", lambda c: c["dflash_config"].update(input_embedding_scale=2.0), "input_embedding_scale 2"),
     ("zlab-saved", lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 7]), "last layer"),
+    ("specforge-saved", lambda c: c["dflash_config"].update(shift_label=True), "shift_label True"),
+    ("specforge-saved", lambda c: c["dflash_config"].update(projector_type="mlp"), "projector_type 'mlp'"),
 ]
 
 

@@ -4,7 +4,8 @@ Two layouts exist in the field, each written by more than one tool:
 
 - **z-lab** (``architectures: ["DFlashDraftModel"]``, a Qwen3 config at the top): z-lab's published
   checkpoints (written by transformers 4.x: top-level ``rope_theta``), z-lab's ``DFlashDraftModel``
-  (PyPI ``dflash``) ``save_pretrained`` (transformers 5: ``rope_parameters``), and this project's
+  (PyPI ``dflash``) ``save_pretrained`` (transformers 5: ``rope_parameters``), SpecForge's
+  ``DFlashDraftModel`` (PyPI ``specforge``) ``save_pretrained``, and this project's
   ``export --format zlab``. z-lab's code reads each of ``target_layer_ids``, ``block_size`` (default
   16), ``mask_token_id``, ``input_embedding_scale``, ``output_multiplier`` and
   ``final_logit_softcapping`` from ``dflash_config`` first, then from the top level; older code
@@ -124,6 +125,12 @@ def _zlab(cfg: dict, where: str, ours: bool):
 
     if "DFlash2DraftModel" in archs or value("conv_kernel_size") is not None or value("selector_rank") is not None:
         raise UserError(f"{where}: a z-lab DFlash2 drafter (convolutions + candidate selector), not a DFlash drafter")
+    # SpecForge's DFlashDraftModel (the same layout) has options that change what the drafter computes
+    for key, neutral in (("projector_type", None), ("pure_draft_prefix_len", 0), ("shift_label", False)):
+        if dcfg.get(key, neutral) not in (neutral, None):
+            raise UserError(
+                f"{where}: dflash_config.{key} {dcfg[key]!r} (SpecForge), which this project's drafter lacks"
+            )
     layer = _layer_config(cfg, where)
     n_target = cfg.get("num_target_layers", -1)
     layer_ids = value("target_layer_ids")
