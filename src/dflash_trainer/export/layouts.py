@@ -339,7 +339,7 @@ def drafter_meta(path: Path) -> dict:
     if is_checkpoint(path) or not (Path(path) / "config.json").is_file():
         if not is_checkpoint(path):
             raise UserError(
-                f"{path} is neither a drafter checkpoint ({CONFIG} and {WEIGHTS}) nor a z-lab or speculators "
+                f"{path} is not a drafter checkpoint ({CONFIG} and {WEIGHTS}), nor a z-lab or speculators "
                 "drafter folder (config.json)"
             )
         return read_checkpoint_config(path)
