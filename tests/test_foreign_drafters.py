@@ -308,23 +308,19 @@ def test_a_drafter_trained_by_speculators_scores_the_same_tau_in_our_eval(tmp_pa
 
     from dflash_trainer.config import TargetConfig, load_config
     from dflash_trainer.data.blocks import valid_anchor_positions
-    from dflash_trainer.data.documents import load_documents
-    from dflash_trainer.data.packing import doc_ids_from_positions, pack_documents
+    from dflash_trainer.data.packing import doc_ids_from_positions
+    from dflash_trainer.data.prepare import ensure_prepared, request_for
     from dflash_trainer.model.loading import load_target
 
     block, seq_len = 4, 512
     model, tok, _ = load_target(TargetConfig(path="tiny", dtype="float32"))
     data = write_regenerated(tmp_path / "data.jsonl", model, tok)
-    cfg = load_config([], [])
-    docs, _ = load_documents(  # the rows eval builds from the same file (commands/eval.py)
-        [str(data)],
-        tok,
-        vocab_size=model.config.vocab_size,
-        min_tokens=block,
-        max_bad_fraction=cfg.data.max_bad_fraction,
-        max_record_bytes=cfg.data.max_record_bytes,
+    cfg = load_config([], [f"data.seq_len={seq_len}", f"data.cache_dir={tmp_path / 'cache'}"])
+    # the rows eval builds from the same file (commands/eval.py), from the same prepared storage
+    request = request_for(
+        cfg.data, tok, model.config.vocab_size, min_tokens=block, train_paths=[str(data)], holdout="none"
     )
-    rows = pack_documents(docs, seq_len, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    rows = list(ensure_prepared(request, tok, root=cfg.data.cache_dir, progress=False).rows("train"))
     target = TargetModel(model, layer_ids=[*ZLAB_IDS, model.config.num_hidden_layers - 1])
     hidden = model.config.hidden_size
     tensors = {
@@ -372,7 +368,8 @@ def test_a_drafter_trained_by_speculators_scores_the_same_tau_in_our_eval(tmp_pa
     theirs = load_file(job["result"])
     code, out, err = cli(
         "eval", job["out"], "--data", str(data), "--out", str(tmp_path / "r"), "--budgets", "2",
-        "--max-blocks-per-row", "100000", "--set", f"data.seq_len={seq_len}", cwd=tmp_path,
+        "--max-blocks-per-row", "100000", "--set", f"data.seq_len={seq_len}",
+        "--set", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path,
     )  # fmt: skip
     assert code == 0, err
     mine = json.loads((tmp_path / "r" / "report.json").read_text())["checkpoints"][0]["report"]
