@@ -247,6 +247,12 @@ def test_tensors_without_a_place_are_refused(foreign, tmp_path):
         load_export(folder, TargetModel(foreign["model"], layer_ids=ZLAB_IDS))
 
 
+def test_check_of_a_foreign_folder_names_weights_that_do_not_fit(foreign, tmp_path):
+    folder = edited(foreign, "spec-defaults", tmp_path, lambda c: None, {"fc.weight": torch.zeros(256, 512)})
+    problems = check_export(folder).problems
+    assert len(problems) == 1 and "its weights do not fit its config" in problems[0] and "fc.weight" in problems[0]
+
+
 def cli(*args, cwd):
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd

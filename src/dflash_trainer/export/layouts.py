@@ -300,15 +300,15 @@ def foreign_folder_problems(folder: Path, num_target_layers: int) -> list[str]:
         with torch.device("meta"):
             embed = torch.nn.Embedding(d.spec.vocab_size, d.spec.hidden_size)
             drafter = DFlashDrafter(d.spec, embed, embed.weight)
-        _load_weights(drafter, folder)
+        _load_weights(drafter, folder, assign=True)  # assign: meta parameters take the tensors read
     except UserError as exc:
         return [str(exc)]
     return []
 
 
-def _load_weights(drafter: DFlashDrafter, folder: Path) -> None:
+def _load_weights(drafter: DFlashDrafter, folder: Path, assign: bool = False) -> None:
     try:
-        drafter.load_state_dict({k: v.float() for k, v in drafter_state(folder).items()})
+        drafter.load_state_dict({k: v.float() for k, v in drafter_state(folder).items()}, assign=assign)
     except RuntimeError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise UserError(f"drafter {folder}: its weights do not fit its config ({' '.join(lines[1:3])[:300]})") from None
