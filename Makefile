@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 # The torch release the project is tested with; on Linux/x86_64 pip may pick a CUDA build of
 # several GB from PyPI. Override with e.g. `make test TORCH_SPEC='torch>=2.6'`.
 TORCH_SPEC ?= torch==2.13.0
+# Test files run in parallel (pytest-xdist, one worker per core; a file's tests stay in one worker so
+# its module fixtures are built once); the slowest tests are printed at the end.
+TEST_WORKERS ?= auto
 
 .PHONY: demo test clean
 
@@ -39,7 +42,7 @@ test: $(VENV)/.installed-test $(VENV)/.triton
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

@@ -4,6 +4,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Under pytest-xdist (``make test`` runs test files in parallel) each worker gets its share of the
+# cores for torch's OpenMP pool, and so do the processes it starts: two workers each spinning up a
+# pool of every core would oversubscribe the machine. Set before any test module imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+
 # The planner's calibration tool lives in benchmarks/ (it is not part of the installed package).
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

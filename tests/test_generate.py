@@ -212,6 +212,23 @@ def test_cli_reports_bad_and_pretokenized_records(tmp_path, tiny, prompts):
     }
 
 
+def test_cli_reads_cr_only_line_endings(tmp_path, tiny, prompts):
+    """An old-Mac JSONL (CR line endings, no LF) is regenerated record by record, counted right."""
+    data = tmp_path / "mac.jsonl"
+    lines = [
+        json.dumps({"id": i, "messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "x"}]})
+        for i, p in enumerate(prompts[:2])
+    ]
+    data.write_bytes("\r".join(lines).encode() + b"\r")
+    out = tmp_path / "out.jsonl"
+    args = make_parser().parse_args(
+        ["generate", "--input", str(data), "--output", str(out), "--max-new-tokens", "2", "--no-progress"]
+    )
+    assert run_generate(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["source"]) for r in rows] == [(0, f"{data}:1"), (1, f"{data}:2")]
+
+
 def test_cli_user_errors(tmp_path):
     parser = make_parser()
     missing = parser.parse_args(["generate", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")])

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dflash_trainer.config import load_config
-from dflash_trainer.config.loader import ConfigError
+from dflash_trainer.config.loader import ConfigError, strict_yaml_load
 from dflash_trainer.data.documents import load_documents
 from dflash_trainer.data.records import expand_paths, iter_records
 from dflash_trainer.errors import UserError
@@ -72,6 +72,19 @@ def test_lines_end_at_newline_only_and_a_bom_is_ignored(tmp_path):
     records = list(iter_records([str(path)]))
     assert [(type(r).__name__, r.line) for r in records] == [("Record", 1), ("Record", 2), ("BadRecord", 3)]
     assert records[1].messages[1]["content"] == "y\u2028z\x85w"
+
+
+def test_a_file_with_cr_only_line_endings_is_read_line_by_line(tmp_path):
+    """Old-Mac files end lines with CR alone: with no LF anywhere that reading is the only one, so each
+    CR-separated line is a record, numbered as such (a file that has an LF keeps CR inside records)."""
+    path = tmp_path / "mac.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE.rstrip(b"\n") + b"\r\rnot json\r" + GOOD_LINE.rstrip(b"\n"))
+    got = read(path)
+    assert [g[:2] for g in got] == [("Record", 1), ("BadRecord", 3), ("Record", 4)]
+    assert list(iter_records([str(path)]))[2].messages == GOOD["messages"]
+    crlf = tmp_path / "dos.jsonl"
+    crlf.write_bytes(GOOD_LINE.replace(b"\n", b"\r\n") * 2)
+    assert [g[:2] for g in read(crlf)] == [("Record", 1), ("Record", 2)]
 
 
 def test_oversized_record_is_skipped_and_counted(tmp_path, tok):
@@ -145,8 +158,34 @@ def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("\n".join(lines) + "\n")
     assert bomb.stat().st_size < 1000
-    with pytest.raises(ConfigError, match=r"bomb.yaml at line 2, column \d+: YAML aliases .* are not allowed"):
+    with pytest.raises(ConfigError, match=r"bomb.yaml at line \d+, column \d+: YAML aliases expand to more than"):
         load_config([str(bomb)])
+
+
+def test_yaml_anchors_and_merge_keys_used_the_ordinary_way_are_read(tmp_path):
+    """Anchors, aliases and merge keys (``<<: *d``) whose expansion stays small mean what YAML says."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "defaults: &d {lr: 3.0e-4, seed: 7}\n"
+        "layers: &ids [1, 2, 3, 4, 5]\n"
+        "train:\n  <<: *d\n  steps: 5\n  seed: 9\n"
+        "target:\n  layer_ids: *ids\n"
+    )
+    data = strict_yaml_load(path.read_text())
+    assert data["train"] == {"lr": 3.0e-4, "seed": 9, "steps": 5} and data["target"]["layer_ids"] == [1, 2, 3, 4, 5]
+    path.write_text("train: &t {lr: 3.0e-4, seed: 7}\ndrafter: {num_layers: 2}\n")
+    assert load_config([str(path)]).train.lr == 3.0e-4
+    # the schema still names what it does not know (an alias does not smuggle keys past it)
+    path.write_text("defaults: &d {lr: 3.0e-4}\ntrain:\n  <<: *d\n")
+    with pytest.raises(ConfigError, match="unknown config key 'defaults'"):
+        load_config([str(path)])
+
+
+def test_a_recursive_yaml_alias_is_one_error_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("a: &a [1, *a]\n")
+    with pytest.raises(ConfigError, match=r"r.yaml at line 1, column \d+: .*recursive"):
+        load_config([str(path)])
 
 
 def test_duplicate_yaml_keys_are_an_error(tmp_path):

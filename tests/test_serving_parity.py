@@ -17,12 +17,12 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from external_venvs import speculators_python
 from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, bf16_rounded, block_logits, make_checkpoint
 from transformers import AutoModel
@@ -34,14 +34,7 @@ from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
 from dflash_trainer.training.checkpoint import load_drafter
 
-ROOT = Path(__file__).resolve().parent.parent
-SPECULATORS = "speculators==0.9.0"
-SPEC_VENV = ROOT / ".venv" / "speculators"
 SCRIPT = Path(__file__).resolve().parent / "external" / "speculators_block_logits.py"
-NETWORK = re.compile(
-    r"Temporary failure in name resolution|Failed to establish a new connection|NewConnectionError|"
-    r"Network is unreachable|Could not fetch URL|ConnectTimeout|ReadTimeout|Name or service not known"
-)
 
 WINDOW = {"sliding_window_layers": [0, 2], "sliding_window": 16}
 VARIANTS = {
@@ -51,41 +44,6 @@ VARIANTS = {
     "last-layer": ({}, [1, 3, 5, 7]),  # 7 = the 8-layer tiny target's last layer
 }
 PARITY_ATOL = 1e-4  # fp32 on both sides, same bf16 weights: only summation order differs
-
-
-def speculators_python() -> Path:
-    """The speculators venv's python, made once. It sees this interpreter's packages (torch, numpy, ...)
-    behind its own, so pip installs only what speculators adds; torch is pinned to the one here (its
-    CPU build) and torchvision/torchaudio, built for another torch, are removed again."""
-    python = SPEC_VENV / "bin" / "python"
-    marker = SPEC_VENV / f".installed-{SPECULATORS}"
-    if marker.is_file():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(SPEC_VENV)], check=True, timeout=300)
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    base = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    Path(site, "_dflash_trainer_base.pth").write_text("\n".join(sorted(base)) + "\n")
-    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-    install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", SPECULATORS, torch_pin],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if install.returncode != 0:
-        if NETWORK.search(install.stderr + install.stdout):
-            reason = f"the package registry cannot be reached to install {SPECULATORS}"
-            print(f"SKIP: {reason}")
-            pytest.skip(reason)
-        raise AssertionError(f"pip install {SPECULATORS} failed:\n{install.stderr[-3000:]}")
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=True)
-    marker.write_text("ok\n")
-    return python
 
 
 @pytest.fixture(scope="module")

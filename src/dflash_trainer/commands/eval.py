@@ -140,12 +140,13 @@ def _set_keys(overrides: list[str]) -> set[str]:
 
 
 def _read_metas(checkpoints: list[Path]) -> list[dict]:
-    from ..training.checkpoint import read_checkpoint_config
+    """Each checkpoint's metadata; a z-lab or speculators drafter folder (whoever wrote it) reads as one."""
+    from ..export.layouts import drafter_meta
 
     metas = []
     for path in checkpoints:
         try:
-            metas.append(read_checkpoint_config(path))
+            metas.append(drafter_meta(path))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EvalInputError(f"checkpoint {path}: drafter_config.json is not valid JSON ({exc})") from None
     return metas
@@ -195,10 +196,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..config import write_resolved_config
     from ..data.documents import check_report
     from ..data.prepare import ensure_prepared, request_for
+    from ..export.layouts import load_any_drafter
     from ..inference.regenerate import eos_ids
     from ..model.loading import load_target, load_target_config
     from ..model.target import TargetModel
-    from ..training.checkpoint import load_drafter
 
     budgets = check_budgets(_parse_positive_ints(args.budgets, "--budgets"))
     if args.temperature < 0:
@@ -245,7 +246,7 @@ def run_eval(args: argparse.Namespace) -> int:
     entries = []
     for path, label, meta in zip(checkpoints, unique_labels(checkpoints), metas):
         target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
-        drafter, _ = load_drafter(path, target)  # checks again, against the loaded weights' shapes
+        drafter, _ = load_any_drafter(path, target)  # checks again, against the loaded weights' shapes
         drafter.to(device)
         report = acceptance_report(
             target,
@@ -366,7 +367,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "slot, DDTree tau per budget) on held-out data, for one or more checkpoints of the same target. "
         "Writes DIR/report.json, DIR/acceptance_per_slot.png and DIR/tau_vs_budget.png.",
     )
-    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="drafter checkpoint folder(s)")
+    p.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="drafter checkpoints or z-lab / speculators drafter folders",
+    )
     p.add_argument(
         "--data",
         action="append",

@@ -28,11 +28,11 @@ def run_speculate(args: argparse.Namespace) -> int:
     report tau, tokens/s and the speedup; exit status 1 when any output differs."""
     from ..config import TargetConfig
     from ..data.records import Record, iter_records
+    from ..export.layouts import drafter_meta, load_any_drafter
     from ..inference.regenerate import eos_ids
     from ..inference.sampling import verification_policy
     from ..inference.speculative import SpeculativeDecoder, target_greedy, target_sample
     from ..model.loading import load_target_model
-    from ..training.checkpoint import load_drafter, read_checkpoint_config
 
     cfg = resolve_config(args)
     budgets = args.budget or [64]
@@ -43,7 +43,7 @@ def run_speculate(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     sampling = args.temperature > 0
-    meta = read_checkpoint_config(args.drafter)
+    meta = drafter_meta(args.drafter)  # a checkpoint, or a z-lab / speculators drafter folder
     target_cfg = (
         cfg.target
         if cfg.target.path != "tiny" or meta["target"].get("path") in (None, "tiny")
@@ -51,7 +51,7 @@ def run_speculate(args: argparse.Namespace) -> int:
     )
     target, tok = load_target_model(target_cfg, layer_ids=meta["target"]["layer_ids"])
     model = target.model
-    drafter, _ = load_drafter(args.drafter, target, dtype=model.dtype)
+    drafter, _ = load_any_drafter(args.drafter, target, dtype=model.dtype)
     eos = eos_ids(model, tok)
     prompts = []
     for rec in iter_records(args.input):
@@ -150,7 +150,12 @@ def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
         default_preset="tiny-demo",
         set_help="dotted override, e.g. --set target.path=/models/qwen (default: the checkpoint's target)",
     )
-    p.add_argument("--drafter", metavar="CHECKPOINT", required=True, help="drafter checkpoint folder")
+    p.add_argument(
+        "--drafter",
+        metavar="CHECKPOINT",
+        required=True,
+        help="drafter checkpoint, or a z-lab / speculators drafter folder",
+    )
     p.add_argument(
         "--input",
         action="append",

@@ -35,24 +35,30 @@ def preset_description(name: str) -> str:
     return next((line[1:].strip() for line in text.splitlines() if line.startswith("#")), "")
 
 
+MAX_EXPANDED_NODES = 10_000  # a config expands to a few hundred values; an 800-byte alias bomb to 10^9
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses aliases and duplicate keys.
+    """``yaml.SafeLoader`` that bounds what aliases expand to and refuses duplicate keys.
 
-    Aliases: 800 bytes of nested aliases expand to billions of values (a "billion laughs" file), and
-    a config has no need for them. Duplicate keys: the schema promises that no setting is silently
-    ignored, and with duplicates the YAML spec leaves which one wins undefined."""
+    Aliases: anchors, aliases and merge keys (``defaults: &d {...}``, ``<<: *d``) are ordinary YAML,
+    but 800 bytes of nested aliases expand to billions of values (a "billion laughs" file), which
+    whatever walks the result (validation, ``run.yaml``) would expand. So each document's expansion is
+    counted on the composed node graph (shared nodes counted once per use, in time linear in the
+    graph) and refused past ``MAX_EXPANDED_NODES``; a recursive alias is refused too. Duplicate keys:
+    the schema promises that no setting is silently ignored, and with duplicates the YAML spec leaves
+    which one wins undefined."""
 
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(
-                None, None, f"YAML aliases (*{event.anchor}) are not allowed in config files", event.start_mark
-            )
-        return super().compose_node(parent, index)
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *d": keys written beside a merge override the merged ones, as YAML says
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) or key is None:
                 if key in seen:
@@ -61,8 +67,33 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _expanded_size(node, sizes: dict, open_nodes: set) -> int:
+    """Values ``node`` expands to with every alias replaced by its anchor's node; ``ComposerError`` at
+    the node that crosses ``MAX_EXPANDED_NODES`` or refers to itself."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise yaml.composer.ComposerError(None, None, "a recursive YAML alias (it contains itself)", node.start_mark)
+    open_nodes.add(key)
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    open_nodes.discard(key)
+    if size > MAX_EXPANDED_NODES:
+        raise yaml.composer.ComposerError(
+            None, None, f"YAML aliases expand to more than {MAX_EXPANDED_NODES:,} values here", node.start_mark
+        )
+    sizes[key] = size
+    return size
+
+
 def strict_yaml_load(text: str):
-    """``yaml.safe_load`` without aliases and duplicate keys (see ``_StrictLoader``)."""
+    """``yaml.safe_load`` with bounded alias expansion and without duplicate keys (see ``_StrictLoader``)."""
     return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
 
 

@@ -42,13 +42,11 @@ from ..io import atomic_folder
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.loading import resolve_target_path
 from ..training.checkpoint import WEIGHTS as CKPT_WEIGHTS
-from ..training.checkpoint import check_against_target, checkpoint_spec, read_checkpoint_config
+from ..training.checkpoint import checkpoint_spec, read_checkpoint_config
+from .layouts import EXPORT_INFO, MODEL_WEIGHTS, foreign_folder_problems, load_drafter_folder, read_drafter_folder
 from .semantics import FORMATS, SEMANTICS, mismatches
 
-MODEL_WEIGHTS = "model.safetensors"
-EXPORT_INFO = "export_info.json"  # this project's record: trained layer ids, checkpoint, semantics, mismatches
-EXPORT_INFO_FORMAT = "dflash-trainer-export/1"
-DRAFTER_KEYS = ("fc.", "hidden_norm.", "layers.", "norm.")
+EXPORT_INFO_FORMAT = "dflash-trainer-export/1"  # EXPORT_INFO: trained layer ids, checkpoint, semantics, mismatches
 
 
 def _layer_config(spec: DrafterSpec) -> dict:
@@ -289,59 +287,15 @@ def _export_readme(fmt: str, info: dict) -> str:
 
 
 def read_export(folder: Path) -> tuple[str, DrafterSpec, list[int], int, dict]:
-    """``(format, spec, z-lab layer ids, target layer count or -1, config)`` of an exported folder."""
-    cfg_file = Path(folder) / "config.json"
-    if not cfg_file.is_file() or not (Path(folder) / MODEL_WEIGHTS).is_file():
-        raise UserError(f"{folder} is not an exported drafter (expected config.json and {MODEL_WEIGHTS})")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("speculators_model_type") == "dflash":
-        fmt, layer_cfg = "speculators", cfg["transformer_layer_config"]
-        layer_ids = [i - 1 for i in cfg["aux_hidden_state_layer_ids"]]
-        mask_id, block, causal, n_target = (
-            cfg["mask_token_id"],
-            cfg["block_size"],
-            not cfg.get("sliding_window_non_causal", True),
-            -1,
-        )
-    elif "DFlashDraftModel" in (cfg.get("architectures") or []):
-        fmt, layer_cfg = "zlab", cfg
-        dcfg = cfg["dflash_config"]
-        layer_ids, mask_id, block = list(dcfg["target_layer_ids"]), dcfg["mask_token_id"], cfg["block_size"]
-        causal, n_target = bool(dcfg.get("causal_in_block_sliding", False)), cfg.get("num_target_layers", -1)
-    else:
-        raise UserError(f"{cfg_file}: neither a zlab (architectures DFlashDraftModel) nor a speculators dflash export")
-    types = layer_cfg.get("layer_types") or []
-    transforms = _recorded_transforms(cfg) or {}
-    spec = DrafterSpec(
-        hidden_size=layer_cfg["hidden_size"],
-        num_heads=layer_cfg["num_attention_heads"],
-        num_kv_heads=layer_cfg["num_key_value_heads"],
-        head_dim=layer_cfg["head_dim"],
-        intermediate_size=layer_cfg["intermediate_size"],
-        vocab_size=layer_cfg["vocab_size"],
-        num_layers=layer_cfg["num_hidden_layers"],
-        num_features=len(layer_ids),
-        block_size=block,
-        rms_norm_eps=layer_cfg["rms_norm_eps"],
-        rope_theta=float(layer_cfg.get("rope_theta", 1e6)),
-        sliding_window_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
-        sliding_window=layer_cfg.get("sliding_window") or 2048,
-        causal_in_block_sliding=causal,
-        mask_token_id=mask_id,
-        logit_scale=float(transforms.get("logit_scale") or 1.0),
-        logit_softcap=transforms.get("logit_softcap"),
-    )
-    return fmt, spec, layer_ids, n_target, cfg
+    """``(format, spec, z-lab layer ids, target layer count or -1, config)`` of a drafter folder in
+    either layout, whoever wrote it (``layouts.read_drafter_folder``)."""
+    d = read_drafter_folder(folder)
+    return d.fmt, d.spec, d.layer_ids, d.num_target_layers, d.config
 
 
 def load_export(folder: Path, target, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """A ``DFlashDrafter`` from an exported folder of either format, for ``target`` (a ``TargetModel``)."""
-    _, spec, layer_ids, _, _ = read_export(folder)
-    check_against_target(spec, layer_ids, target, f"export {folder}")
-    state = load_file(str(Path(folder) / MODEL_WEIGHTS))
-    drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
-    drafter.load_state_dict({k: v for k, v in state.items() if k.startswith(DRAFTER_KEYS)})
-    return drafter.to(dtype).eval()
+    """A ``DFlashDrafter`` from a drafter folder of either layout, for ``target`` (a ``TargetModel``)."""
+    return load_drafter_folder(folder, target, dtype)
 
 
 def read_export_info(folder: Path) -> dict | None:
@@ -353,8 +307,8 @@ def read_export_info(folder: Path) -> dict | None:
 def recorded_verifier(fmt: str, cfg: dict) -> str | None:
     """The target an export names: speculators' verifier, or the zlab config's target_model_path."""
     if fmt == "zlab":
-        return cfg["dflash_config"].get("target_model_path")
-    return cfg["speculators_config"]["verifier"].get("name_or_path")
+        return (cfg.get("dflash_config") or {}).get("target_model_path")
+    return ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
 
 def resolve_verifier(name: str) -> Path:
@@ -476,8 +430,11 @@ def check_export(
     if bad:
         hint = " (speculators ids are z-lab ids + 1: an off-by-one export?)" if fmt == "speculators" else ""
         problems.append(f"target layer ids {bad} are outside the target's 0..{n_layers - 1}{hint}")
-    if info is None:
-        problems.append(f"no {EXPORT_INFO}: the layer ids the drafter was trained with are unknown; re-export")
+    if info is None:  # written by speculators, z-lab or another trainer: checked as its stack reads it
+        notes.append(
+            f"not written by dflash-trainer (no {EXPORT_INFO}): the layer ids it was trained with and a "
+            "checkpoint to compare its logits with are not known; checked as its serving stack reads it"
+        )
     elif list(layer_ids) != list(info["trained_layer_ids"]):
         shown = [i + 1 for i in layer_ids] if fmt == "speculators" else list(layer_ids)
         want = [i + 1 for i in info["trained_layer_ids"]] if fmt == "speculators" else info["trained_layer_ids"]
@@ -501,10 +458,14 @@ def check_export(
     if spec.block_size < 2:
         problems.append(f"block size {spec.block_size} is below 2")
     if fmt == "speculators":
-        tokens = cfg["speculators_config"]["proposal_methods"][0].get("speculative_tokens")
+        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        tokens = methods[0].get("speculative_tokens")
         if tokens != spec.block_size - 1:
             problems.append(f"speculative_tokens {tokens} does not equal block_size - 1 = {spec.block_size - 1}")
-    problems.extend(_tensor_problems(folder, fmt, spec))
+    if info is None:  # the weights against the config, and what only the target's layer count decides
+        problems.extend(foreign_folder_problems(folder, n_layers))
+    else:
+        problems.extend(_tensor_problems(folder, fmt, spec))
     allowed = set((info or {}).get("allowed_mismatches", []))
     for m in mismatches(
         fmt,
@@ -518,7 +479,7 @@ def check_export(
         (notes if m.message in allowed else problems).append(
             f"{'accepted at export: ' if m.message in allowed else ''}{m.message}"
         )
-    if smoke and not problems:
+    if smoke and not problems and info is not None:
         _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report, tolerate=bool(allowed))
     return report
 

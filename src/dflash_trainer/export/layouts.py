@@ -1,0 +1,355 @@
+"""Read any DFlash drafter folder, whoever wrote it, into this project's ``DFlashDrafter``.
+
+Two layouts exist in the field, each written by more than one tool:
+
+- **z-lab** (``architectures: ["DFlashDraftModel"]``, a Qwen3 config at the top): z-lab's published
+  checkpoints (written by transformers 4.x: top-level ``rope_theta``), z-lab's ``DFlashDraftModel``
+  (PyPI ``dflash``) ``save_pretrained`` (transformers 5: ``rope_parameters``), SpecForge's
+  ``DFlashDraftModel`` (PyPI ``specforge``) ``save_pretrained``, and this project's
+  ``export --format zlab``. z-lab's code reads each of ``target_layer_ids``, ``block_size`` (default
+  16), ``mask_token_id``, ``input_embedding_scale``, ``output_multiplier`` and
+  ``final_logit_softcapping`` from ``dflash_config`` first, then from the top level; older code
+  defaulted the layer ids from ``num_target_layers``. Ids are z-lab ids (transformers'
+  ``hidden_states[l + 1]``).
+- **speculators** (``speculators_model_type: "dflash"``, the layers' config in
+  ``transformer_layer_config``): speculators' ``save_pretrained`` (no embedding or head inside: its
+  loader takes both from the verifier) and this project's ``export --format speculators``. Ids are
+  ``aux_hidden_state_layer_ids`` = z-lab ids + 1; ``block_size`` defaults to 8 and
+  ``sliding_window_non_causal`` to false, as in speculators' config class.
+
+The layers' config is parsed with transformers' own config class for its ``model_type``, as both
+writers' model code does, so defaults, legacy keys and RoPE parameters in either place mean what they
+mean there. What this project's drafter cannot compute is refused with one line naming the field:
+other RoPE types, attention or MLP biases, other activations, a reduced draft vocabulary, sampling from
+the anchor, z-lab's own sliding-window and causal rules (a folder this project did not write), z-lab's
+DFlash2 (conv + candidate selector), extra tensors, and hooks this project cannot place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..errors import UserError
+from ..model.drafter import DFlashDrafter, DrafterSpec
+
+MODEL_WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded weights (transformers' save_pretrained)
+EXPORT_INFO = "export_info.json"  # written by this project's export only
+DRAFTER_KEYS = ("fc.", "hidden_norm.", "layers.", "norm.")
+# Tensors a writer may store beside the drafter's own: the verifier's tables (speculators reloads them
+# from the verifier; this project's drafter shares the target's).
+IGNORED_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
+
+
+@dataclass
+class DrafterFolder:
+    """A drafter folder as its writer's code reads it."""
+
+    fmt: str  # "zlab" or "speculators"
+    spec: DrafterSpec
+    layer_ids: list[int]  # z-lab ids: id l = output of target decoder layer l
+    num_target_layers: int  # -1 when the folder does not say
+    config: dict  # config.json as written
+    verifier: str | None  # the target the folder names (speculators' verifier, z-lab's target_model_path)
+    embedding_scale: float  # z-lab's input_embedding_scale (only 1 is read: the drafter embeds unscaled)
+    ours: bool  # written by this project's export (export_info.json)
+
+
+def _layer_config(raw: dict, where: str):
+    """``raw`` read by transformers' config class for its model_type (qwen3 when it names none)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(raw.get("model_type") or "qwen3", **fields)
+    except (ValueError, TypeError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{where}: transformers cannot read its layer config ({first})") from None
+
+
+def _rope_theta(layer, where: str) -> float:
+    """The default-RoPE base of a parsed layer config, from ``rope_parameters`` (transformers 5) or a
+    top-level ``rope_theta`` (transformers 4 configs, converted by the config class)."""
+    rope = dict(getattr(layer, "rope_parameters", None) or {})
+    if {"full_attention", "sliding_attention"} & rope.keys():  # one set per layer type
+        variants = {json.dumps(v, sort_keys=True) for v in rope.values()}
+        if len(variants) > 1:
+            raise UserError(f"{where}: RoPE parameters differ per layer type; this project's drafter has one RoPE")
+        rope = next(iter(rope.values()))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UserError(f"{where}: RoPE type {kind!r}; this project's drafter computes default RoPE only")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UserError(f"{where}: partial_rotary_factor {rope['partial_rotary_factor']}; the drafter rotates all dims")
+    theta = rope.get("rope_theta", getattr(layer, "rope_theta", None))
+    if theta is None:
+        raise UserError(f"{where}: its layer config gives no rope_theta")
+    return float(theta)
+
+
+def _refuse_unrepresentable_layers(layer, where: str) -> None:
+    if getattr(layer, "attention_bias", False):
+        raise UserError(f"{where}: attention_bias is true; this project's drafter has no attention biases")
+    if getattr(layer, "mlp_bias", False):
+        raise UserError(f"{where}: mlp_bias is true; this project's drafter has no MLP biases")
+    if getattr(layer, "hidden_act", "silu") != "silu":
+        raise UserError(f"{where}: hidden_act {layer.hidden_act!r}; this project's drafter's MLP is SwiGLU (silu)")
+    unknown = sorted(set(getattr(layer, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UserError(f"{where}: layer types {unknown}; the drafter has full and sliding attention only")
+
+
+def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The ids older z-lab code used when ``target_layer_ids`` is absent (one per draft layer)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _zlab(cfg: dict, where: str, ours: bool):
+    """``(layer config, layer ids, block size, mask id, causal_in_block, n_target, transforms, scale)``."""
+    dcfg = cfg.get("dflash_config") or {}
+    archs = cfg.get("architectures") or []
+
+    def value(name, default=None):  # z-lab's _draft_value: dflash_config first, then the top level
+        return dcfg.get(name, cfg.get(name, default))
+
+    if "DFlash2DraftModel" in archs or value("conv_kernel_size") is not None or value("selector_rank") is not None:
+        raise UserError(f"{where}: a z-lab DFlash2 drafter (convolutions + candidate selector), not a DFlash drafter")
+    # SpecForge's DFlashDraftModel (the same layout) has options that change what the drafter computes
+    for key, neutral in (("projector_type", None), ("pure_draft_prefix_len", 0), ("shift_label", False)):
+        if dcfg.get(key, neutral) not in (neutral, None):
+            raise UserError(
+                f"{where}: dflash_config.{key} {dcfg[key]!r} (SpecForge), which this project's drafter lacks"
+            )
+    layer = _layer_config(cfg, where)
+    n_target = cfg.get("num_target_layers", -1)
+    layer_ids = value("target_layer_ids")
+    if layer_ids is None:
+        if n_target in (-1, None):
+            raise UserError(f"{where}: neither dflash_config.target_layer_ids nor num_target_layers is given")
+        layer_ids = zlab_default_layer_ids(n_target, layer.num_hidden_layers)
+    mask_id = value("mask_token_id")
+    if mask_id is None:
+        raise UserError(f"{where}: no mask_token_id (dflash_config.mask_token_id)")
+    sliding = bool(layer.sliding_window) and "sliding_attention" in (layer.layer_types or [])
+    if not ours and (sliding or getattr(layer, "is_causal", None) is not None):
+        # z-lab's code counts a sliding layer's window over [context ; block] keys and makes it causal
+        # over both (is_causal); this project's drafter sees the last W context rows plus the block.
+        raise UserError(
+            f"{where}: z-lab's sliding-window / is_causal attention rule (its window spans context and "
+            "block keys), which this project's drafter does not compute"
+        )
+    transforms = dcfg.get("target_transforms") or {
+        "logit_scale": float(value("output_multiplier", 1.0)),
+        "logit_softcap": float(value("final_logit_softcapping")) if value("final_logit_softcapping") else None,
+    }
+    scale = float(value("input_embedding_scale", 1.0))
+    if scale != 1.0:  # z-lab multiplies the raw table's rows; this project's drafter looks them up as they are
+        raise UserError(f"{where}: input_embedding_scale {scale:g}; this project's drafter embeds blocks unscaled")
+    causal = bool(dcfg.get("causal_in_block_sliding", False))
+    return layer, list(layer_ids), int(value("block_size", 16)), mask_id, causal, n_target, transforms, scale
+
+
+def _speculators(cfg: dict, where: str):
+    kind = cfg.get("speculators_model_type")
+    if kind != "dflash":
+        raise UserError(f"{where}: speculators_model_type {kind!r}; only 'dflash' drafters are read")
+    layer = _layer_config(cfg.get("transformer_layer_config") or {}, where)
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    if not aux:
+        raise UserError(f"{where}: no aux_hidden_state_layer_ids")
+    if min(aux) < 1:
+        raise UserError(
+            f"{where}: aux_hidden_state_layer_ids {aux} include 0 (the embedding output), which this "
+            "project's target hooks cannot capture"
+        )
+    if cfg.get("mask_token_id") is None:
+        raise UserError(f"{where}: no mask_token_id")
+    if cfg.get("sample_from_anchor"):
+        raise UserError(f"{where}: sample_from_anchor is true (slot 0 drafts too); this project drafts slots 1..B-1")
+    draft_vocab = cfg.get("draft_vocab_size", layer.vocab_size)
+    if draft_vocab != layer.vocab_size:
+        raise UserError(
+            f"{where}: a reduced draft vocabulary ({draft_vocab} of {layer.vocab_size} tokens, t2d/d2t); "
+            "this project's drafter drafts over the target's whole vocabulary"
+        )
+    non_causal = bool(cfg.get("sliding_window_non_causal", False))
+    return layer, [i - 1 for i in aux], int(cfg.get("block_size", 8)), cfg["mask_token_id"], not non_causal
+
+
+def read_drafter_folder(folder: Path) -> DrafterFolder:
+    """A z-lab or speculators drafter folder's spec, layer ids and verifier, read as its writer's code
+    reads it; ``UserError`` (one line) for what this project's drafter cannot represent."""
+    folder = Path(folder)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise UserError(f"{folder} is not a drafter folder (no config.json)")
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{cfg_file} is not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_file} is not a JSON object")
+    where, ours = str(folder), (folder / EXPORT_INFO).is_file()
+    transforms, scale, verifier = cfg.get("target_transforms") or {}, 1.0, None
+    if "speculators_model_type" in cfg:
+        fmt = "speculators"
+        layer, layer_ids, block, mask_id, causal = _speculators(cfg, where)
+        n_target = -1
+        verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    elif "DFlashDraftModel" in (cfg.get("architectures") or []) or "dflash_config" in cfg:
+        fmt = "zlab"
+        layer, layer_ids, block, mask_id, causal, n_target, transforms, scale = _zlab(cfg, where, ours)
+        verifier = (cfg.get("dflash_config") or {}).get("target_model_path")
+    else:
+        raise UserError(
+            f"{cfg_file}: neither a z-lab DFlash drafter (architectures DFlashDraftModel) nor a speculators "
+            "one (speculators_model_type dflash)"
+        )
+    _refuse_unrepresentable_layers(layer, where)
+    window = layer.sliding_window  # None when use_sliding_window is false: every layer attends fully
+    sliding = tuple(i for i, t in enumerate(layer.layer_types or []) if t == "sliding_attention") if window else ()
+    spec = DrafterSpec(
+        hidden_size=layer.hidden_size,
+        num_heads=layer.num_attention_heads,
+        num_kv_heads=getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
+        head_dim=getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads,
+        intermediate_size=layer.intermediate_size,
+        vocab_size=layer.vocab_size,
+        num_layers=layer.num_hidden_layers,
+        num_features=len(layer_ids),
+        block_size=block,
+        rms_norm_eps=layer.rms_norm_eps,
+        rope_theta=_rope_theta(layer, where),
+        sliding_window_layers=sliding,
+        sliding_window=window or 2048,
+        causal_in_block_sliding=causal,
+        mask_token_id=int(mask_id),
+        logit_scale=float(transforms.get("logit_scale") or 1.0),
+        logit_softcap=transforms.get("logit_softcap"),
+    )
+    n_target = -1 if n_target is None else int(n_target)
+    return DrafterFolder(fmt, spec, layer_ids, n_target, cfg, verifier, scale, ours)
+
+
+def folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors weights, one file or shards listed by the index."""
+    folder = Path(folder)
+    index = folder / WEIGHTS_INDEX
+    try:
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
+        if (folder / MODEL_WEIGHTS).is_file():
+            return load_file(str(folder / MODEL_WEIGHTS))
+    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as exc:
+        raise UserError(f"{folder}: its weights cannot be read ({type(exc).__name__}: {exc})") from None
+    raise UserError(f"{folder} holds no safetensors weights ({MODEL_WEIGHTS} or {WEIGHTS_INDEX})")
+
+
+def drafter_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors of a folder; other tensors it cannot represent are refused."""
+    state = folder_weights(folder)
+    extra = sorted(k for k in state if not k.startswith(DRAFTER_KEYS) and k not in IGNORED_KEYS)
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise UserError(f"{folder}: tensors this project's drafter has no place for ({', '.join(extra[:3])}{more})")
+    return {k: v for k, v in state.items() if k.startswith(DRAFTER_KEYS)}
+
+
+def folder_meta(d: DrafterFolder) -> dict:
+    """The folder in the shape of a checkpoint's metadata (``drafter_config.json``), for eval and speculate."""
+    return {
+        "format": d.fmt,
+        "spec": dataclasses.asdict(d.spec),
+        "target": {
+            "layer_ids": list(d.layer_ids),
+            "num_layers": None if d.num_target_layers < 0 else d.num_target_layers,
+            "path": d.verifier,
+        },
+        "step": None,
+    }
+
+
+def check_folder_against_target(d: DrafterFolder, target, where: str) -> None:
+    """What only the target decides: z-lab's code reads the target's last layer after the final norm
+    (this project hooks it before), in a folder this project did not write (its export refuses that)."""
+    if d.fmt == "zlab" and not d.ours and target.num_layers - 1 in d.layer_ids:
+        raise UserError(
+            f"{where}: z-lab id {target.num_layers - 1} is the target's last layer, which z-lab's code reads "
+            "after the final norm (hidden_states[n]); this project's hooks read it before"
+        )
+
+
+def foreign_folder_problems(folder: Path, num_target_layers: int) -> list[str]:
+    """``export --check`` of a folder another tool wrote: every refusal, and its weights against its
+    config (names and shapes, on the meta device: nothing is allocated)."""
+    try:
+        d = read_drafter_folder(folder)
+        check_folder_against_target(d, SimpleNamespace(num_layers=num_target_layers), str(folder))
+        with torch.device("meta"):
+            embed = torch.nn.Embedding(d.spec.vocab_size, d.spec.hidden_size)
+            drafter = DFlashDrafter(d.spec, embed, embed.weight)
+        _load_weights(drafter, folder, assign=True)  # assign: meta parameters take the tensors read
+    except UserError as exc:
+        return [str(exc)]
+    return []
+
+
+def _load_weights(drafter: DFlashDrafter, folder: Path, assign: bool = False) -> None:
+    try:
+        drafter.load_state_dict({k: v.float() for k, v in drafter_state(folder).items()}, assign=assign)
+    except RuntimeError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise UserError(f"drafter {folder}: its weights do not fit its config ({' '.join(lines[1:3])[:300]})") from None
+
+
+def load_drafter_folder(folder: Path, target, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """A ``DFlashDrafter`` from a z-lab or speculators drafter folder, for ``target`` (a ``TargetModel``)."""
+    from ..training.checkpoint import check_against_target
+
+    d = read_drafter_folder(folder)
+    check_against_target(d.spec, d.layer_ids, target, f"drafter {folder}")
+    check_folder_against_target(d, target, f"drafter {folder}")
+    drafter = DFlashDrafter(d.spec, target.embed_tokens, target.lm_head_weight)
+    _load_weights(drafter, folder)
+    return drafter.to(dtype).eval()
+
+
+def is_checkpoint(path: Path) -> bool:
+    from ..training.checkpoint import CONFIG
+
+    return (Path(path) / CONFIG).is_file()
+
+
+def drafter_meta(path: Path) -> dict:
+    """Metadata of a drafter checkpoint, or of a z-lab / speculators drafter folder in the same shape."""
+    from ..training.checkpoint import CONFIG, WEIGHTS, read_checkpoint_config
+
+    if is_checkpoint(path) or not (Path(path) / "config.json").is_file():
+        if not is_checkpoint(path):
+            raise UserError(
+                f"{path} is not a drafter checkpoint ({CONFIG} and {WEIGHTS}), nor a z-lab or speculators "
+                "drafter folder (config.json)"
+            )
+        return read_checkpoint_config(path)
+    return folder_meta(read_drafter_folder(path))
+
+
+def load_any_drafter(path: Path, target, dtype: torch.dtype = torch.float32) -> tuple[DFlashDrafter, dict]:
+    """``(drafter in eval mode, metadata)`` of a checkpoint or a z-lab / speculators drafter folder."""
+    from ..training.checkpoint import load_drafter
+
+    if is_checkpoint(path):
+        return load_drafter(path, target, dtype)
+    return load_drafter_folder(path, target, dtype), drafter_meta(path)

@@ -1,0 +1,82 @@
+"""Separate virtual environments for external reference code, each built once under ``.venv/NAME`` of
+the repository and shared by every test (and every pytest-xdist worker: a file lock makes one process
+build it while the others wait, then all reuse it).
+
+Each venv sees this interpreter's packages (torch, transformers, ...) behind its own, so pip installs
+only what the package adds; torch is pinned to the one here (its CPU build) and torchvision/torchaudio,
+built for another torch, are removed again.
+"""
+
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+
+ROOT = Path(__file__).resolve().parent.parent
+NETWORK = re.compile(
+    r"Temporary failure in name resolution|Failed to establish a new connection|NewConnectionError|"
+    r"Network is unreachable|Could not fetch URL|ConnectTimeout|ReadTimeout|Name or service not known"
+)
+
+
+def external_python(name: str, packages: list[str], *, no_deps: bool = False) -> Path:
+    """The python of ``.venv/NAME`` with ``packages`` installed (``no_deps``: without their
+    dependencies, for a package whose model code needs only what is here)."""
+    venv = ROOT / ".venv" / name
+    python = venv / "bin" / "python"
+    marker = venv / f".installed-{'+'.join(packages)}"
+    if marker.is_file():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(venv) + ".lock"):
+        if marker.is_file():  # built by another worker while this one waited
+            return python
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
+        site = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        base = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+        Path(site, "_dflash_trainer_base.pth").write_text("\n".join(sorted(base)) + "\n")
+        pins = [] if no_deps else [f"torch=={torch.__version__.split('+')[0]}"]
+        install = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", *(["--no-deps"] if no_deps else []), *packages, *pins],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if install.returncode != 0:
+            if NETWORK.search(install.stderr + install.stdout):
+                reason = f"the package registry cannot be reached to install {' '.join(packages)}"
+                print(f"SKIP: {reason}")
+                pytest.skip(reason)
+            raise AssertionError(f"pip install {' '.join(packages)} failed:\n{install.stderr[-3000:]}")
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=True)
+        marker.write_text("ok\n")
+    return python
+
+
+SPECULATORS = "speculators==0.9.0"
+ZLAB = "dflash==0.1.0"  # z-lab's own package (github z-lab/dflash): DFlashDraftModel, dflash_generate
+SPECFORGE = "specforge==0.2.0"  # SpecForge (sgl-project): its DFlashDraftModel writes the z-lab layout
+
+
+def speculators_python() -> Path:
+    return external_python("speculators", [SPECULATORS])
+
+
+def zlab_python() -> Path:
+    # its pinned dependencies (datasets, requests, tqdm) serve its benchmark CLI, not the model code
+    return external_python("zlab", [ZLAB], no_deps=True)
+
+
+def specforge_python() -> Path:
+    # its model code needs torch and transformers only; its dependencies (SGLang, ...) serve training
+    return external_python("specforge", [SPECFORGE], no_deps=True)
