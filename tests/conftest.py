@@ -11,6 +11,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
+# The Triton loss kernel is tested on the CPU under Triton's interpreter (tests/test_loss_triton.py). Triton
+# reads TRITON_INTERPRET when it is first imported, and several torch and transformers modules import it
+# (a test file collected before test_loss_triton.py, or run before it in the same xdist worker, left
+# the kernel's helpers compiled for a GPU: "Cannot call @triton.jit'd outside of the scope of a kernel").
+import torch  # noqa: E402  (after OMP_NUM_THREADS; importing torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The planner's calibration tool lives in benchmarks/ (it is not part of the installed package).
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
