@@ -27,7 +27,12 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # Prepared data (data/prepare.py) is cached per test session, never in the home folder; subprocesses
-# (CLI runs, torchrun ranks) inherit the variable, so they share the session's cache.
+# (CLI runs, torchrun ranks, xdist workers) inherit the variable, so they share the session's cache,
+# which the process that made it removes when it exits (under xdist: the controller, which exits last).
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-os.environ.setdefault("DFLASH_DATA_CACHE", tempfile.mkdtemp(prefix="dflash-test-data-cache-"))
+if "DFLASH_DATA_CACHE" not in os.environ:
+    os.environ["DFLASH_DATA_CACHE"] = tempfile.mkdtemp(prefix="dflash-test-data-cache-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_DATA_CACHE"], ignore_errors=True)
