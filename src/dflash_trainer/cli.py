@@ -3,6 +3,7 @@
     dflash-train demo      [--config FILE|PRESET ...] [--set KEY=VALUE ...]  train a drafter on the tiny target
     dflash-train train     --config FILE|PRESET [--set ...] [--resume auto]   train a drafter
     dflash-train prepare-data --config FILE [--out DIR] | --verify DIR         tokenize the data once, memory-mapped
+    dflash-train capture   --config FILE --out DIR | --verify DIR             run the target once, store its features
     dflash-train generate  --input DATA --output OUT.jsonl [--config ...]     regenerate responses with the target
     dflash-train speculate --drafter CKPT --input DATA --output OUT.jsonl     speculative decoding, lossless check
     dflash-train eval      CHECKPOINT [...] --data DATA --out DIR              acceptance: chain tau, DDTree tau(budget)
@@ -27,6 +28,7 @@ from .errors import UserError
 
 def build_parser() -> argparse.ArgumentParser:
     # Sub-command modules are imported here, not at the top: `import dflash_trainer.cli` stays cheap.
+    from .commands.capture import add_capture_parser
     from .commands.config import add_config_parsers
     from .commands.demo import add_demo_parser
     from .commands.eval import add_eval_parser
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_demo_parser,
         add_train_parser,
         add_prepare_data_parser,
+        add_capture_parser,
         add_generate_parser,
         add_speculate_parser,
         add_eval_parser,

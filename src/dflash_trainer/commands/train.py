@@ -30,6 +30,8 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     # Plan this run before the target or the data are loaded: refuse what will not fit, and fill in the
     # loss chunk the planner derives (so run.yaml records it). topology.preflight=false overrides.
     cfg = preflight(cfg)
+    if cfg.data.features:
+        return run_offline(cfg, resume=resume, progress=progress, overwrite=overwrite)
     if cfg.topology.target_ranks:
         if int(os.environ.get("RANK", "0")) == cfg.topology.target_ranks:  # drafter rank 0 warns, once
             warn_unservable(cfg)
@@ -149,6 +151,83 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
         return summary
     except UserError as exc:
         raise UserError(f"rank {layout.rank} ({role}): {exc}") from None
+
+
+def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite: bool) -> dict:
+    """Train from the feature cache ``data.features``: one process, or ``topology.drafter_ranks``
+    data-parallel processes under torchrun; the target's embedding and head are all that is loaded."""
+    import torch
+    import torch.distributed as dist
+
+    from ..features.store import FeatureStore
+    from ..model.loading import load_target_head, target_identity
+    from ..training.offline import CachedFeed, cache_mismatches
+
+    out = Path(cfg.output_dir)
+    world = launched_world()
+    if world > 1:
+        layout, device, group = distributed.init(cfg)
+    else:
+        layout, group = distributed.Layout(0, 1, 0), None
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    writer = layout.drafter_index == 0
+    try:
+        store = FeatureStore(cfg.data.features)  # complete, sizes and checksums, before any weight is read
+        target, tokenizer, _ = load_target_head(cfg.target, layer_ids=store.settings["layer_ids"])
+        problems = cache_mismatches(cfg, store, target_identity(cfg.target, target), tokenizer)
+        if problems:
+            raise UserError(
+                f"feature cache {cfg.data.features} does not match this run: {problems[0]}"
+                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            )
+        train_rows, eval_rows = store.rows("train"), store.rows("eval")
+        if writer:
+            write_resolved_config(cfg, out)
+            warn_unservable(cfg)
+            m = store.manifest
+            print(
+                f"data: feature cache {cfg.data.features} ({m['bytes'] / 1e6:,.1f} MB, {store.storage}): "
+                f"{len(train_rows)} training and {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens; "
+                "no target body loaded",
+                flush=True,
+            )
+        agreed = [None]
+        if writer:
+            try:
+                path = Trainer.prepare_output(cfg, out, resume, overwrite, train_rows, eval_rows)
+                counters = read_counters(path) if path is not None else {"step": 0, "rows_consumed": 0}
+                agreed = [{"path": str(path) if path else None, **counters}]
+            except UserError as exc:
+                agreed = [{"error": str(exc)}]
+        if world > 1:
+            dist.broadcast_object_list(agreed, src=0)
+        start = agreed[0]
+        if "error" in start:
+            raise UserError(start["error"])
+        stream = RowStream(train_rows, cfg.train.seed)
+        dtype = getattr(torch, cfg.target.dtype)
+        feed = CachedFeed(cfg, store, stream, layout, device, dtype, rows_consumed=start["rows_consumed"])
+        trainer = Trainer(
+            cfg,
+            target,
+            tokenizer,
+            train_rows,
+            eval_rows,
+            out_dir=out,
+            target_path=cfg.target.path,
+            progress=progress,
+            feed=feed,
+            group=group,
+        )
+        if start["path"]:
+            trainer.resume_from(Path(start["path"]))
+        result = trainer.run()
+        summary = _finish(cfg, trainer, result) if writer else {}
+        if world > 1:
+            dist.destroy_process_group()
+        return summary
+    except UserError as exc:
+        raise UserError(f"rank {layout.rank} (drafter): {exc}" if world > 1 else str(exc)) from None
 
 
 def warn_unservable(cfg: RunConfig) -> list[str]:

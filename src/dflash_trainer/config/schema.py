@@ -122,6 +122,11 @@ class DataConfig(Section):
     prepare_timeout_s: float = Field(
         14400.0, gt=0, description="with torchrun: how long the other ranks wait for rank 0 to prepare the data"
     )
+    features: str | None = Field(
+        None,
+        description="a feature cache written by `dflash-train capture`: train from it, without the target body; "
+        "null = run the target online",
+    )
 
     @model_validator(mode="after")
     def _known_columns(self) -> DataConfig:
@@ -141,6 +146,23 @@ class LossConfig(Section):
     cap_temperature: float = Field(1.0, gt=0.0, description="temperature of the CAP entropy")
     labels: Literal["data", "teacher"] = Field("data", description="data tokens or the teacher's argmax")
     chunk_size: int | None = Field(None, ge=1, description="rows per loss chunk; null = derived from memory")
+
+
+class CaptureConfig(Section):
+    """What ``dflash-train capture`` stores per token (README: the feature cache)."""
+
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3"] | None = Field(
+        None, description="storage dtype of the features; null = target.dtype; float8_e4m3 adds a float32 scale per token"
+    )
+    teacher: bool | None = Field(
+        None,
+        description="store the final-normed last hidden state of training rows; null = when the loss needs it "
+        "(soft KL, teacher labels); held-out rows always keep it",
+    )
+    shard_bytes: int = Field(1 << 30, ge=1, description="rows are grouped into shards of at most this many bytes")
+    timeout_s: float = Field(
+        86400.0, gt=0, description="with torchrun: how long the ranks wait for each other at the end of a capture"
+    )
 
 
 class TrainConfig(Section):
@@ -225,6 +247,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
 
     @model_validator(mode="after")
     def _anchors_fit_row(self) -> RunConfig:

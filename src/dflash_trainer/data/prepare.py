@@ -388,7 +388,7 @@ def prepare_data(
 _INPUT_SETTINGS = ("holdout", "eval_fraction", "train_paths", "eval_paths")
 
 
-def _differences(manifest: dict, request: DataRequest, with_inputs: bool = True) -> list[str]:
+def setting_differences(manifest: dict, request: DataRequest, with_inputs: bool = True) -> list[str]:
     """Why a storage does not serve ``request``: each setting that differs, in words (without the
     input settings unless ``with_inputs``)."""
     have, want = manifest["settings"], request.settings()
@@ -445,7 +445,7 @@ def open_prepared(folder: str | os.PathLike, request: DataRequest | None = None,
 
     data = PreparedData(folder)
     if request is not None:
-        problems = _differences(data.manifest, request, with_inputs)
+        problems = setting_differences(data.manifest, request, with_inputs)
         if with_inputs:
             problems += changed_inputs(data.manifest)
         if problems:

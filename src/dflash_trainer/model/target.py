@@ -122,6 +122,32 @@ class RowFeatures:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
+def select_row_features(
+    feats: TargetFeatures,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    need_teacher: bool,
+) -> RowFeatures:
+    """A row's ``RowFeatures`` from its full-row ``feats`` (computed now, or read from the feature
+    cache): the teacher rows at ``anchor + j - 1`` (j = 0..B-1) only, ``[n*B, H]``."""
+    teacher = None
+    if need_teacher:
+        j = torch.arange(block_size, device=anchors.device)
+        index = (anchors[:, None] + j - 1).clamp(min=0).reshape(-1)  # [n*B]: anchor + j - 1
+        teacher = feats.last_hidden[index.to(feats.last_hidden.device)]
+    return RowFeatures(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        loss_mask=loss_mask,
+        anchors=anchors,
+        context=feats.context,
+        teacher=teacher,
+    )
+
+
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(body, "layers", None)
@@ -133,7 +159,11 @@ def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 class TargetModel:
     """A frozen causal LM that returns context features ``[L, k*H]`` and teacher hidden states ``[L, H]``."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, num_feature_layers: int = 5):
+    def __init__(
+        self, model: nn.Module, layer_ids: list[int] | None = None, num_feature_layers: int = 5, *, body: bool = True
+    ):
+        """``body=False``: ``model`` holds only the embedding and head (``loading.load_target_head``, for
+        training from cached features); its layers are dropped and ``features`` cannot run."""
         self.model = model.eval().requires_grad_(False)
         self.body, self.layers = _decoder_parts(model)
         config = text_config(model.config)
@@ -143,6 +173,10 @@ class TargetModel:
         self.vocab_size = config.vocab_size
         ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers, num_feature_layers)
         self.layer_ids = check_layer_ids(ids, self.num_layers)
+        if not body:
+            self.keep_only("head")
+            self.packing_error, self.packs_documents = None, False
+            return
         # Packing several documents in one row relies on the model building its attention mask from
         # position restarts. Recurrent (linear-attention) layers would carry state across documents, and
         # some model classes ignore position_ids in their mask (gpt-oss), so this is measured, not assumed:
@@ -228,19 +262,7 @@ class TargetModel:
         """The producer half of a step for one row (``[L]`` tensors) and its anchors ``[n]``: the
         teacher rows are gathered here, so only ``n*B`` of the ``L`` final hidden states leave."""
         feats = self.features(input_ids, position_ids, need_teacher=need_teacher)
-        teacher = None
-        if need_teacher:
-            j = torch.arange(block_size, device=anchors.device)
-            index = (anchors[:, None] + j - 1).clamp(min=0).reshape(-1)  # [n*B]: anchor + j - 1
-            teacher = feats.last_hidden[index.to(feats.last_hidden.device)]
-        return RowFeatures(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            loss_mask=loss_mask,
-            anchors=anchors,
-            context=feats.context,
-            teacher=teacher,
-        )
+        return select_row_features(feats, input_ids, position_ids, loss_mask, anchors, block_size, need_teacher)
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, need_teacher: bool) -> TargetFeatures:
         captured: dict[int, torch.Tensor] = {}

@@ -86,6 +86,23 @@ def check_launch(cfg: RunConfig, world: int) -> None:
     """One line when the launch and ``topology`` disagree; the same check on every rank, before any
     model is loaded."""
     t, d = cfg.topology.target_ranks, cfg.topology.drafter_ranks
+    if cfg.data.features:
+        if t:
+            raise UserError(
+                f"data.features trains from cached features, without a target: topology.target_ranks must be 0, got {t}"
+            )
+        if world != d:
+            raise UserError(
+                f"launched with {world} process{'es' if world > 1 else ''} but topology.drafter_ranks is {d}: "
+                + (f"launch with `torchrun --nproc-per-node {d} --no-python dflash-train train ...`" if world == 1
+                   else f"set topology.drafter_ranks={world}")
+            )
+        if cfg.train.grad_accum % d:
+            raise UserError(
+                f"train.grad_accum {cfg.train.grad_accum} must be a multiple of topology.drafter_ranks {d} "
+                "(each drafter rank takes an equal share of a step's rows)"
+            )
+        return
     if t == 0:
         if world > 1:
             raise UserError(
@@ -518,3 +535,22 @@ class DrafterFeed:
     def end_step(self) -> None:
         self.step += 1
         self._announce_ahead()
+
+    def metrics(self, elapsed: float) -> dict:
+        """What the step's log record says about the transfer from the target ranks."""
+        r, busy = self.receiver, self.target_busy_us
+        return {
+            "drafter_wait_s": r.wait_s,
+            "bytes_received": r.bytes,
+            "recv_bytes_per_s": r.bytes / max(elapsed, 1e-9),
+            "target_busy_fraction": (sum(busy.values()) / 1e6 / len(busy) / max(elapsed, 1e-9)) if busy else None,
+        }
+
+    @staticmethod
+    def postfix(record: dict) -> dict:
+        """The progress bar's transfer fields."""
+        return {"wait": f"{record['drafter_wait_s']:.0f}s", "MB_s": f"{record['recv_bytes_per_s'] / 1e6:.1f}"}
+
+    def peer_error(self) -> BaseException | None:
+        """The error the receiving thread saw (a target rank died or hung), if any."""
+        return self.receiver.error

@@ -14,22 +14,30 @@ from ..errors import UserError
 from ..model.loading import load_target_config, load_target_model
 
 
-def open_training_data(cfg: RunConfig, tokenizer, vocab_size: int, *, share: Callable | None = None, progress=True):
-    """``(train rows, eval rows, train report)`` of a run, from its prepared storage (found, or prepared
-    on first use). ``share(find)``: a distributed launch's way to let one rank prepare while the others
-    wait (``distributed.on_rank0``); it returns the storage folder on every rank. The reports are
-    copied into ``output_dir`` and checked against ``data.max_bad_fraction`` there."""
+def open_prepared_data(
+    cfg: RunConfig, tokenizer, vocab_size: int, *, share: Callable | None = None, progress=True, report_dir=None
+) -> PreparedData:
+    """A run's prepared storage (found, or prepared on first use). ``share(find)``: a distributed launch's
+    way to let one rank prepare while the others wait (``distributed.on_rank0``); it returns the storage
+    folder on every rank. The reports are copied into ``report_dir`` (default ``output_dir``) and
+    checked against ``data.max_bad_fraction`` there."""
     request = request_for(cfg.data, tokenizer, vocab_size, min_tokens=cfg.drafter.block_size + 1)
 
     def find() -> str:
         return str(find_storage(cfg.data, request, tokenizer, progress=progress))
 
     data = PreparedData(share(find) if share is not None else find())
-    out = Path(cfg.output_dir)
-    report = data.report("train")
-    check_report(report, cfg.data.max_bad_fraction, out / "data_report.json")
+    out = Path(report_dir or cfg.output_dir)
+    check_report(data.report("train"), cfg.data.max_bad_fraction, out / "data_report.json")
     if data.settings["holdout"] == "files":
         check_report(data.report("eval"), cfg.data.max_bad_fraction, out / "eval_data_report.json")
+    return data
+
+
+def open_training_data(cfg: RunConfig, tokenizer, vocab_size: int, *, share: Callable | None = None, progress=True):
+    """``(train rows, eval rows, train report)`` of a run (``open_prepared_data``)."""
+    data = open_prepared_data(cfg, tokenizer, vocab_size, share=share, progress=progress)
+    report = data.report("train")
     eval_rows = data.rows("eval")
     if not eval_rows:
         raise UserError("no held-out documents: set data.eval_files or give more than one training document")

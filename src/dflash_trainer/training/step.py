@@ -60,12 +60,18 @@ def row_rng(seed: int, row_index: int, device: torch.device):
         yield
 
 
+def row_anchors(row: PackedRow, row_index: int, cfg: RunConfig) -> torch.Tensor:
+    """The sorted anchor positions ``[n]`` of row ``row_index`` (n <= data.max_anchors; 0 when none is valid)."""
+    doc = doc_ids_from_positions(row.position_ids)
+    gen = row_generator(cfg.train.seed, row_index)
+    return sample_anchors(row.loss_mask, doc, cfg.drafter.block_size, cfg.data.max_anchors, gen)
+
+
 def produce_row_features(target: TargetModel, row: PackedRow, row_index: int, cfg: RunConfig) -> RowFeatures | None:
     """The producer half: anchors of row ``row_index`` and the target features they need; None when
     the row has no valid anchor (nothing for the drafter to learn from it)."""
     block = cfg.drafter.block_size
-    doc = doc_ids_from_positions(row.position_ids)
-    anchors = sample_anchors(row.loss_mask, doc, block, cfg.data.max_anchors, row_generator(cfg.train.seed, row_index))
+    anchors = row_anchors(row, row_index, cfg)
     if anchors.numel() == 0:
         return None
     # Anchors are drawn where the row is (the CPU generator gives the same anchors on any device); the

@@ -175,8 +175,9 @@ class Counters:
 class Trainer:
     """Trains a drafter on packed rows; see the module docstring for one step.
 
-    ``feed`` (a ``distributed.DrafterFeed``) makes this a drafter rank of a distributed run: features
-    come from it, ``group`` is the drafter ranks' process group (DDP when it has more than one)."""
+    ``feed`` (a ``distributed.DrafterFeed``, or an ``offline.CachedFeed`` reading the feature cache) is
+    where features come from instead of ``target``; ``group`` is the drafter ranks' process group (DDP
+    when it has more than one)."""
 
     def __init__(
         self,
@@ -200,7 +201,7 @@ class Trainer:
         self.stream = RowStream(train_rows, cfg.train.seed)
         self.feed, self.group = feed, group
         self.device = feed.device if feed is not None else torch.device("cpu")
-        self.data_parallel = feed is not None and torch.distributed.get_world_size(group) > 1
+        self.data_parallel = group is not None and torch.distributed.get_world_size(group) > 1
         self.is_writer = feed is None or feed.layout.drafter_index == 0
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
@@ -427,16 +428,6 @@ class Trainer:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return (self.stop_requested or "SIGTERM") if flag.item() else None
 
-    def _transfer_metrics(self, elapsed: float) -> dict:
-        r = self.feed.receiver
-        busy = self.feed.target_busy_us
-        return {
-            "drafter_wait_s": r.wait_s,
-            "bytes_received": r.bytes,
-            "recv_bytes_per_s": r.bytes / max(elapsed, 1e-9),
-            "target_busy_fraction": (sum(busy.values()) / 1e6 / len(busy) / max(elapsed, 1e-9)) if busy else None,
-        }
-
     def run(self) -> dict:
         """The loop from the current step to ``train.max_steps`` (state already loaded or fresh)."""
         cfg = self.cfg
@@ -470,7 +461,7 @@ class Trainer:
                     tok_last += out["tokens"]
                     record.update(out)
                 if self.feed is not None:
-                    record.update(self._transfer_metrics(time.time() - t_start))
+                    record.update(self.feed.metrics(time.time() - t_start))
                 if self.c.step % cfg.train.eval_every == 0 or self.c.step == cfg.train.max_steps:
                     if self.is_writer:
                         last_eval = self.evaluate()
@@ -482,12 +473,7 @@ class Trainer:
                 now = time.time()
                 if now - t_last > 2:
                     rate, t_last, tok_last = tok_last / (now - t_last), now, 0
-                    extra = {}
-                    if self.feed is not None:
-                        extra = {
-                            "wait": f"{record['drafter_wait_s']:.0f}s",
-                            "MB_s": f"{record['recv_bytes_per_s'] / 1e6:.1f}",
-                        }
+                    extra = self.feed.postfix(record) if self.feed is not None else {}
                     bar.set_postfix(
                         loss=f"{record.get('loss', float('nan')):.3f}",
                         tau=f"{last_eval.get('tau', float('nan')):.2f}",
@@ -504,8 +490,8 @@ class Trainer:
                         path = self.save_checkpoint()
                         print(f"\n{stop}: saved {path}; resume with --resume auto", flush=True)
                     # under torchrun a SIGTERM often means another rank failed: name it when we saw it
-                    if self.feed is not None and self.feed.receiver.error is not None:
-                        raise self.feed.receiver.error
+                    if self.feed is not None and self.feed.peer_error() is not None:
+                        raise self.feed.peer_error()
                     raise KeyboardInterrupt
         finally:
             bar.close()

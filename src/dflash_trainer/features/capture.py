@@ -1,0 +1,168 @@
+"""Run the target over packed rows once and write what training needs into the feature cache.
+
+    plan = capture_plan(...)                  settings, identities, splits, rows per shard
+    start_capture(folder, plan)               capture.json written, or checked against a restart's
+    capture_shards(target, rows, folder, plan, shards)   this process's shards, resumable
+    write_manifest(folder, plan)              (store.py) once every shard is done
+
+The shard list (``store.shard_plan``) does not depend on how many processes capture: process k of n
+writes shards k, k+n, ... and skips those already done, so a restarted capture (with any number of
+processes) continues where the killed one stopped: nothing is written twice, nothing is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..io import atomic_write_json
+from ..model.target import TargetModel
+from .store import FORMAT, VERSION, CacheError, done_shards, read_plan, remove_partial_writes, row_bytes, write_shard
+
+
+def capture_plan(
+    *,
+    storage: str,
+    teacher: bool,
+    layer_ids: list[int],
+    seq_len: int,
+    hidden_size: int,
+    target: dict,
+    data: dict,
+    splits: dict[str, int],
+    shard_bytes: int,
+) -> dict:
+    """The ``capture.json`` of a capture: everything its shards depend on, and their layout."""
+    k = len(layer_ids)
+    sizes = {
+        "train": row_bytes(seq_len, hidden_size, k, storage, teacher),
+        "eval": row_bytes(seq_len, hidden_size, k, storage, True),
+    }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "settings": {
+            "storage_dtype": storage,
+            "teacher": teacher,
+            "layer_ids": list(layer_ids),
+            "seq_len": seq_len,
+            "hidden_size": hidden_size,
+        },
+        "target": target,
+        "data": data,
+        "splits": splits,
+        "row_bytes": sizes,
+        "rows_per_shard": max(1, shard_bytes // max(sizes.values())),
+    }
+
+
+def plan_differences(have: dict, want: dict) -> list[str]:
+    """What differs between two capture plans, in words (empty: the same capture)."""
+    out = []
+    for key in ("settings", "target", "splits", "rows_per_shard"):
+        if have.get(key) != want.get(key):
+            a, b = have.get(key), want.get(key)
+            if isinstance(a, dict) and isinstance(b, dict):
+                diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+                out.append(f"{key} ({'; '.join(diff)})")
+            else:
+                out.append(f"{key}: {a!r} -> {b!r}")
+    if have.get("data", {}).get("files") != want.get("data", {}).get("files"):
+        out.append("the prepared data (other rows)")
+    return out
+
+
+REPORTS = ("data_report.json", "eval_data_report.json")  # the data's bad-record reports, copied beside the cache
+
+
+def check_out_folder(folder: Path, overwrite: bool = False) -> None:
+    """Refuse an ``--out`` that exists and holds something other than a feature cache (before any work)."""
+    folder = Path(folder)
+    if overwrite or not folder.is_dir() or (folder / "capture.json").is_file():
+        return
+    if any(p.name not in REPORTS for p in folder.iterdir()):
+        raise CacheError(f"--out {folder} exists and is not a feature cache: choose an empty or new folder")
+
+
+def start_capture(folder: Path, plan: dict, *, overwrite: bool = False, log=print) -> None:
+    """Write ``capture.json`` into a new or empty ``folder``, or continue the capture it holds when that
+    capture had the same plan (else one line naming the first difference)."""
+    folder = Path(folder)
+    check_out_folder(folder, overwrite)
+    old = read_plan(folder) if folder.is_dir() else None
+    if old is not None and not overwrite:
+        problems = plan_differences(old, plan)
+        if problems:
+            raise CacheError(
+                f"{folder} holds a capture with other settings: {problems[0]}"
+                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                + "; use another --out, or --overwrite to start it over"
+            )
+        for tmp in remove_partial_writes(folder):
+            log(f"removed {tmp}: a shard write that did not finish")
+        return
+    if overwrite and folder.is_dir():
+        for p in [*(folder / "shards").glob("*"), folder / "manifest.json", folder / "capture.json"]:
+            if p.is_file():
+                p.unlink()
+    (folder / "shards").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(folder / "capture.json", plan)
+
+
+def capture_shards(
+    target: TargetModel,
+    rows: dict[str, Sequence],
+    folder: Path,
+    plan: dict,
+    shards: list[tuple[str, int, int, int]],
+    *,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Capture ``shards`` (``store.shard_plan`` entries) of ``rows`` (split -> packed rows) that are not
+    done yet. Returns ``{"rows", "tokens", "bytes", "seconds", "skipped_shards"}`` of this call."""
+    from .store import shard_name
+
+    folder = Path(folder)
+    storage, teacher = plan["settings"]["storage_dtype"], plan["settings"]["teacher"]
+    done = done_shards(folder)
+    todo = [s for s in shards if shard_name(s[0], s[1]) not in done]
+    total_rows = sum(end - start for _, _, start, end in todo)
+    stats = {"rows": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "skipped_shards": len(shards) - len(todo)}
+    if stats["skipped_shards"]:
+        log(f"capture: {stats['skipped_shards']} of {len(shards)} shards already written, continuing")
+    bar = tqdm(total=total_rows, desc="capture", unit="row", disable=not progress, mininterval=2)
+    t0 = time.monotonic()
+    dev = target.device
+    try:
+        for split, index, start, end in todo:
+            need_teacher = teacher or split == "eval"  # held-out rows are scored against the teacher
+            out = {}
+            for r in range(start, end):
+                row = rows[split][r]
+                with torch.no_grad():
+                    feats = target.features(row.input_ids.to(dev), row.position_ids.to(dev), need_teacher=need_teacher)
+                out[r] = {
+                    "input_ids": row.input_ids,
+                    "position_ids": row.position_ids,
+                    "loss_mask": row.loss_mask,
+                    "context": feats.context,
+                    "last_hidden": feats.last_hidden if need_teacher else None,
+                }
+                stats["rows"] += 1
+                stats["tokens"] += row.input_ids.numel()
+                bar.update(1)
+            record = write_shard(folder, shard_name(split, index), out, storage)
+            stats["bytes"] += record["bytes"]
+            elapsed = max(time.monotonic() - t0, 1e-9)
+            bar.set_postfix(
+                tok_s=f"{stats['tokens'] / elapsed:,.0f}", MB_s=f"{stats['bytes'] / elapsed / 1e6:,.1f}", refresh=False
+            )
+    finally:
+        bar.close()
+    stats["seconds"] = time.monotonic() - t0
+    return stats
