@@ -39,7 +39,7 @@ def _verify(folder: str, progress: bool) -> int:
 
     from ..features.store import FeatureStore
 
-    store = FeatureStore(folder)  # completeness, sizes, stamps
+    store = FeatureStore(folder, check_shards=False)  # complete; then every shard, each problem named
     m = store.manifest
     with tqdm(total=m["bytes"], desc="verify", unit="B", unit_scale=True, disable=not progress) as bar:
         problems = store.verify(progress=bar.update)
@@ -98,7 +98,9 @@ def run_capture(args: argparse.Namespace) -> int:
     if cfg.data.features:
         raise UserError("data.features is set: capture writes a cache (--out), it does not read one")
     if not cfg.data.train_files and not cfg.data.prepared:
-        raise UserError("data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl] (or data.prepared)")
+        raise UserError(
+            "data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl] (or data.prepared)"
+        )
     out = Path(args.out)
     check_out_folder(out, args.overwrite)
     world = launched_world()

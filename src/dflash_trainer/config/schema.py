@@ -152,7 +152,8 @@ class CaptureConfig(Section):
     """What ``dflash-train capture`` stores per token (README: the feature cache)."""
 
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3"] | None = Field(
-        None, description="storage dtype of the features; null = target.dtype; float8_e4m3 adds a float32 scale per token"
+        None,
+        description="storage dtype of the features; null = target.dtype; float8_e4m3 adds a float32 scale per token",
     )
     teacher: bool | None = Field(
         None,

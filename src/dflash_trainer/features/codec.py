@@ -18,6 +18,7 @@ STORAGE_DTYPES = {
     "float8_e4m3": torch.float8_e4m3fn,
 }
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+DECODE_ROWS = 4096
 
 
 def element_bytes(storage: str) -> int:
@@ -47,4 +48,8 @@ def decode(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     stored = parts[""]
     if "scale" not in parts:
         return stored.to(dtype)
-    return (stored.float() * parts["scale"][:, None]).to(dtype)
+    scale = parts["scale"]
+    out = torch.empty(stored.shape, dtype=dtype, device=stored.device)
+    for i in range(0, stored.shape[0], DECODE_ROWS):  # fp32 temporaries of DECODE_ROWS rows, not of L
+        out[i : i + DECODE_ROWS] = stored[i : i + DECODE_ROWS].float() * scale[i : i + DECODE_ROWS, None]
+    return out

@@ -84,6 +84,12 @@ def _read_json(path: Path, what: str) -> dict:
     return value
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _stamp(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns]
@@ -119,7 +125,10 @@ def write_shard(folder: Path, name: str, rows: dict[int, dict], storage: str) ->
                 for part, t in encode(row[key], storage).items():
                     tensors[f"{r}.{key}" + (f".{part}" if part else "")] = t
     path = folder / "shards" / f"{name}.safetensors"
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT, "shard": name}))
+    # one metadata entry: safetensors writes several in hash-map order, and the bytes of a shard must
+    # not depend on the process that wrote it
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    os.chmod(path, 0o666 & ~_umask())
     record = {"rows": sorted(rows), "bytes": path.stat().st_size, "sha256": sha256_file(path), "stamp": _stamp(path)}
     atomic_write_json(path.with_suffix(".json"), record)
     return record
@@ -188,7 +197,8 @@ class CachedRows(Sequence):
 class FeatureStore:
     """An opened, complete feature cache (see the module docstring)."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, *, check_shards: bool = True):
+        """``check_shards=False`` (``verify``'s way in): the manifest only, every shard checked later."""
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise CacheError(f"data.features {folder} is not a folder (write one with dflash-train capture)")
@@ -206,7 +216,7 @@ class FeatureStore:
         self.rows_per_shard = self.manifest["rows_per_shard"]
         self.storage: str = self.manifest["settings"]["storage_dtype"]
         self._open: dict[str, object] = {}
-        for name, record in self.manifest["shards"].items():
+        for name, record in self.manifest["shards"].items() if check_shards else ():
             path = self.folder / "shards" / f"{name}.safetensors"
             try:
                 stamp = _stamp(path)

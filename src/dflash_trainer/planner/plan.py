@@ -42,6 +42,7 @@ class Topology:
     drafter_gpus: int = 1
     allocator_margin: float = DEFAULT_ALLOCATOR_MARGIN
     cpu_threads: int = 0  # intra-op threads of a CPU run (per-thread attention workspaces); 0 on GPUs
+    offline: bool = False  # data.features: the drafter reads cached features, no target body anywhere
 
     @property
     def threads(self) -> int:
@@ -98,6 +99,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     throughput: dict | None = None  # planner.throughput: as launched and the best split (GPU presets only)
     data: dict | None = None  # the prepared data's disk and RAM cost (report.data_cost)
+    capture: dict | None = None  # the feature cache's disk and RAM cost (report.capture_cost)
 
     @property
     def fits(self) -> bool:
@@ -174,7 +176,7 @@ def drafter_phases(
     """Per phase, the bytes of every item alive in it (see the module docstring)."""
     d = F.DrafterDims.of(s, w.drafter_intermediate)
     dev = topo.device
-    colocated = topo.target_gpus == 0
+    colocated = topo.target_gpus == 0 and not topo.offline
     L, Q, h = w.seq_len, w.queries, d.hidden
     params = F.drafter_param_count(d, w.drafter_layers, w.num_features)
     tensors = F.drafter_param_tensors(w.drafter_layers)
@@ -194,8 +196,15 @@ def drafter_phases(
     if topo.drafter_gpus > 1:
         static["DDP gradient buckets"] = grads
     feats = F.captured_features_bytes(s, w)
-    features = {"context features (received)" if not colocated else "captured hidden states": feats}
-    if not colocated:  # the next row arrives from a target GPU while this one trains
+    feats_name = (
+        "captured hidden states"
+        if colocated
+        else "features read from the cache"
+        if topo.offline
+        else "context features (received)"
+    )
+    features = {feats_name: feats}
+    if topo.target_gpus:  # the next row arrives from a target GPU while this one trains
         static["next row's features (in flight)"] = w.prefetch * feats
     # Features the autograd graph keeps after row_forward returns: fc's input is the caller's own fp32
     # context tensor when no copy was needed.
@@ -310,6 +319,7 @@ _DRAFTER_ORDER = [
     "captured hidden states",
     "attention mask (packed rows, sdpa)",
     "context features (received)",
+    "features read from the cache",
     "next row's features (in flight)",
     "context features (kept by the graph)",
     "drafter weights (fp32)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from pathlib import Path
 
 from ..errors import UserError
 from . import formulas as F
@@ -94,7 +95,8 @@ def topology_for(
     else:
         memory, name = gpu_memory(spec)
         device = "cuda"
-    tg = t.target_ranks if target_gpus is None else target_gpus
+    offline = bool(cfg.data.features)  # the drafter reads cached features: no target body is loaded
+    tg = (0 if offline else t.target_ranks) if target_gpus is None else target_gpus
     dg = t.drafter_ranks if drafter_gpus is None else drafter_gpus
     if tg < 0 or dg < 1:
         raise UserError(f"--target-gpus must be >= 0 and --drafter-gpus >= 1, got {tg} and {dg}")
@@ -105,6 +107,7 @@ def topology_for(
         target_gpus=tg,
         drafter_gpus=dg,
         allocator_margin=t.allocator_margin,
+        offline=offline,
     )
 
 
@@ -144,7 +147,55 @@ def plan_for_config(
             "best_split": best_split(shape, w, ids, topo.target_gpus + topo.drafter_gpus, **kwargs).as_dict(),
         }
     plan.data = data_cost(w.seq_len)
+    plan.capture = capture_cost(cfg, shape, w)
     return plan
+
+
+def _cache_rows(cfg) -> tuple[int | None, str]:
+    """``(rows, where from)`` of the configured data, when known without tokenizing: a feature cache's or
+    a prepared folder's manifest (``data.features`` / ``data.prepared``)."""
+    import json
+
+    for key, name in (("features", "manifest.json"), ("prepared", "manifest.json")):
+        folder = getattr(cfg.data, key)
+        if folder:
+            try:
+                m = json.loads((Path(folder) / name).read_text())
+                splits = m["splits"]
+                n = (
+                    splits["train"] + splits["eval"]
+                    if key == "features"
+                    else splits["train"]["rows"] + splits["eval"]["rows"]
+                )
+                return int(n), f"data.{key} {folder}"
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return None, ""
+
+
+def capture_cost(cfg, s, w: F.Workload) -> dict:
+    """What ``dflash-train capture`` of this config writes and what reading it costs: bytes per token
+    and per row for each storage dtype, the corpus total when its row count is known, and the reading
+    side's host RAM (one stored row, decoded in the target dtype)."""
+    from ..features.codec import STORAGE_DTYPES
+    from ..features.store import row_bytes
+
+    teacher = cfg.capture.teacher if cfg.capture.teacher is not None else w.need_teacher
+    storage = cfg.capture.dtype or w.target_dtype
+    per_row = {d: row_bytes(w.seq_len, s.hidden_size, w.num_features, d, teacher) for d in STORAGE_DTYPES}
+    rows, source = _cache_rows(cfg)
+    decoded = w.seq_len * s.hidden_size * (w.num_features + int(teacher)) * w.t
+    return {
+        "storage_dtype": storage,
+        "teacher": teacher,
+        "seq_len": w.seq_len,
+        "bytes_per_row": per_row,
+        "bytes_per_token": {d: b / w.seq_len for d, b in per_row.items()},
+        "rows": rows,
+        "rows_source": source,
+        "corpus_bytes": per_row[storage] * rows if rows is not None else None,
+        "reader_ram_bytes": per_row[storage] + decoded,
+    }
 
 
 def data_cost(seq_len: int) -> dict:
@@ -183,6 +234,35 @@ def _terms(w: F.Workload) -> str:
     if w.cap_weight > 0:
         parts.append("CAP")
     return " + ".join(p for p in parts if p)
+
+
+def _capture_lines(c: dict) -> list[str]:
+    per_row, per_token = c["bytes_per_row"], c["bytes_per_token"]
+    what = "context features" + (" + last hidden (teacher)" if c["teacher"] else "")
+    dtypes = [d for d in ("bfloat16", "float8_e4m3", "float32") if d in per_row]
+    lines = [
+        f"feature cache (dflash-train capture, {what}): "
+        + ", ".join(
+            f"{d} {per_token[d]:,.0f} bytes/token ({per_row[d] / 1e9:,.2f} GB per {c['seq_len']:,}-token row)"
+            for d in dtypes
+        )
+    ]
+    rows = c["rows"]
+    if rows is not None:
+        lines.append(
+            f"  this data ({rows:,} rows, {c['rows_source']}): {c['corpus_bytes'] / 1e9:,.1f} GB on disk in "
+            f"{c['storage_dtype']} (capture.dtype)"
+        )
+    else:
+        lines.append(
+            f"  {c['storage_dtype']}: {per_row[c['storage_dtype']] * 10_000 / 1e12:,.2f} TB per 10,000 rows (this data's "
+            "row count is known once it is prepared: dflash-train prepare-data --out DIR, then data.prepared=DIR)"
+        )
+    lines.append(
+        f"  reading it (train --set data.features=DIR): {c['reader_ram_bytes'] / 1e9:,.2f} GB of host RAM "
+        "per drafter rank (one stored row and its decoded copy)"
+    )
+    return lines
 
 
 def render_text(plan: Plan) -> str:
@@ -247,6 +327,9 @@ def render_text(plan: Plan) -> str:
             f"{d['seq_len']:,}-token row ({d['disk_bytes_per_token']} GB per billion tokens); "
             f"RAM: {d['ram_bytes_per_row']} bytes per row and rank, whatever the corpus (page cache aside)"
         )
+    if plan.capture:
+        lines.append("")
+        lines.extend(_capture_lines(plan.capture))
     lines.append("")
     if plan.fits:
         lines.append(
@@ -302,6 +385,7 @@ def render_json(plan: Plan) -> dict:
         "fits": plan.fits,
         "throughput": plan.throughput,
         "data": plan.data,
+        "capture": plan.capture,
         "devices": [
             {
                 "role": d.role,

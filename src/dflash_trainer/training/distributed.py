@@ -94,8 +94,11 @@ def check_launch(cfg: RunConfig, world: int) -> None:
         if world != d:
             raise UserError(
                 f"launched with {world} process{'es' if world > 1 else ''} but topology.drafter_ranks is {d}: "
-                + (f"launch with `torchrun --nproc-per-node {d} --no-python dflash-train train ...`" if world == 1
-                   else f"set topology.drafter_ranks={world}")
+                + (
+                    f"launch with `torchrun --nproc-per-node {d} --no-python dflash-train train ...`"
+                    if world == 1
+                    else f"set topology.drafter_ranks={world}"
+                )
             )
         if cfg.train.grad_accum % d:
             raise UserError(

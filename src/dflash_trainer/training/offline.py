@@ -37,16 +37,22 @@ def cache_mismatches(cfg: RunConfig, store: FeatureStore, identity: dict, tokeni
     for key in ("architectures", "num_layers", "hidden_size", "vocab_size", "dtype", "config_sha256"):
         if captured.get(key) != identity.get(key):
             what = "config.json" if key == "config_sha256" else key
-            out.append(f"other target: captured from {captured.get('path')} with {what} {captured.get(key)!r}, "
-                       f"this run's target has {identity.get(key)!r}")
+            out.append(
+                f"other target: captured from {captured.get('path')} with {what} {captured.get(key)!r}, "
+                f"this run's target has {identity.get(key)!r}"
+            )
     if captured.get("embedding_and_head_sha256") != identity.get("embedding_and_head_sha256"):
-        out.append(f"other target: the embedding or head of {identity.get('path')} differ from those it was captured with")
+        out.append(
+            f"other target: the embedding or head of {identity.get('path')} differ from those it was captured with"
+        )
     ids = run_layer_ids(cfg, identity["num_layers"])
     if have["settings"]["layer_ids"] != ids:
         out.append(f"other layer ids: captured {have['settings']['layer_ids']}, this run hooks {ids}")
     if needs_teacher(cfg) and not have["settings"]["teacher"]:
-        out.append("the loss needs the teacher (soft KL or teacher labels) and the cache holds no last hidden states: "
-                   "capture with capture.teacher=true")
+        out.append(
+            "the loss needs the teacher (soft KL or teacher labels) and the cache holds no last hidden states: "
+            "capture with capture.teacher=true"
+        )
     request = request_for(cfg.data, tokenizer, identity["vocab_size"], min_tokens=cfg.drafter.block_size + 1)
     data = have["data"]
     with_inputs = bool(cfg.data.train_files)
@@ -55,8 +61,10 @@ def cache_mismatches(cfg: RunConfig, store: FeatureStore, identity: dict, tokeni
         out += [f"other data: {p}" for p in changed_inputs(data)]
     want_eval = min(cfg.data.max_eval_rows, data["eval_rows_total"])
     if have["splits"]["eval"] < want_eval:
-        out.append(f"data.max_eval_rows {cfg.data.max_eval_rows} asks for {want_eval} held-out rows, the cache holds "
-                   f"{have['splits']['eval']}: capture with this data.max_eval_rows")
+        out.append(
+            f"data.max_eval_rows {cfg.data.max_eval_rows} asks for {want_eval} held-out rows, the cache holds "
+            f"{have['splits']['eval']}: capture with this data.max_eval_rows"
+        )
     return out
 
 
@@ -109,7 +117,9 @@ class CachedFeed:
         teacher = needs_teacher(self.cfg)
         feats = self.store.features("train", r, self.dtype, need_teacher=teacher)
         self.read_s += time.monotonic() - t0
-        self.bytes_read += sum(t.numel() * t.element_size() for t in (feats.context, feats.last_hidden) if t is not None)
+        self.bytes_read += sum(
+            t.numel() * t.element_size() for t in (feats.context, feats.last_hidden) if t is not None
+        )
         dev = self.device
         feats = TargetFeatures(feats.context.to(dev), feats.last_hidden.to(dev) if teacher else None)
         ids, pos, mask, anchors = (t.to(dev) for t in (row.input_ids, row.position_ids, row.loss_mask, anchors))
