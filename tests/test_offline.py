@@ -6,6 +6,7 @@ with one or two ranks and continues after a SIGKILL; FP8 halves bf16; a cache th
 run, or is truncated, corrupt or unfinished, is refused with one line; the body's tensors are never read."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,21 @@ def capture(out: Path, data: Path, nproc: int = 1, *extra: str) -> subprocess.Co
         capture_cmd(out, data, nproc, *extra), capture_output=True, text=True, env=_env(), timeout=300
     )
     return result
+
+
+def refused(capsys, out: Path, data: Path, *extra: str, command: str = "train") -> str:
+    """The one error line of an in-process ``dflash-train train`` (refusals come before any step, so
+    they are checked without a process start), asserting exit status 2."""
+    from dflash_trainer.cli import main
+
+    args = [command, "--config", "tiny-demo", "--no-progress"]
+    for item in [*DIST_SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
+        args += ["--set", item]
+    capsys.readouterr()
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 def shard_digests(folder: Path) -> dict[str, str]:
@@ -151,7 +167,7 @@ def test_capture_on_two_ranks_writes_the_same_shards(cache, data, tmp_path):
     assert shard_digests(out) == shard_digests(cache)
 
 
-def test_killed_capture_continues_where_it_stopped(cache, data, tmp_path):
+def test_killed_capture_continues_where_it_stopped(cache, data, tmp_path, capsys):
     out = tmp_path / "features"
     proc = subprocess.Popen(
         capture_cmd(out, data, 1),
@@ -164,16 +180,14 @@ def test_killed_capture_continues_where_it_stopped(cache, data, tmp_path):
     deadline = time.monotonic() + 120
     while len(list((out / "shards").glob("*.json"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    import os
-
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     written = len(list((out / "shards").glob("*.json")))
     total = len(shard_digests(cache))
     assert 3 <= written < total, (written, total)  # killed in the middle
     assert not (out / "manifest.json").exists()
-    refused = run(tmp_path / "run", data, 1, f"data.features={out}")
-    assert refused.returncode == 2 and "is not finished" in refused.stderr and "run the same" in refused.stderr
+    line = refused(capsys, tmp_path / "run", data, f"data.features={out}")
+    assert "is not finished" in line and "run the same" in line
     again = capture(out, data)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already written, continuing" in again.stdout
@@ -230,61 +244,53 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
         (["target.dtype=bfloat16"], "other target: captured from"),
     ],
 )
-def test_a_cache_of_another_run_is_refused_with_one_line(cache, data, tmp_path, extra, message):
-    result = run(tmp_path / "run", data, 1, f"data.features={cache}", *extra)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "does not match this run" in lines[0] and message in lines[0], result.stderr
+def test_a_cache_of_another_run_is_refused_with_one_line(cache, data, tmp_path, capsys, extra, message):
+    line = refused(capsys, tmp_path / "run", data, f"data.features={cache}", *extra)
+    assert "does not match this run" in line and message in line, line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_cache_without_the_teacher_is_refused_when_the_loss_needs_it(data, tmp_path):
+def test_a_cache_without_the_teacher_is_refused_when_the_loss_needs_it(data, tmp_path, capsys):
     cache = tmp_path / "features"
     result = capture(cache, data, 1, "capture.teacher=false")
     assert result.returncode == 0, result.stderr[-3000:]
-    refused = run(tmp_path / "run", data, 1, f"data.features={cache}")  # loss.kl_weight=0.15
-    assert refused.returncode == 2 and "the loss needs the teacher" in refused.stderr
+    line = refused(capsys, tmp_path / "run", data, f"data.features={cache}")  # loss.kl_weight=0.15
+    assert "the loss needs the teacher" in line
     ok = run(tmp_path / "run", data, 1, f"data.features={cache}", "loss.kl_weight=0", "train.max_steps=2")
     assert ok.returncode == 0, ok.stderr[-3000:]
 
 
-def test_another_target_folder_is_refused(cache, data, tmp_path):
+def test_another_target_folder_is_refused(cache, data, tmp_path, capsys):
     other = tmp_path / "target"
     shutil.copytree(resolve_target_path("tiny"), other)
     config = json.loads((other / "config.json").read_text())
     config["rope_theta"] = float(config.get("rope_theta") or 10000.0) * 2
     (other / "config.json").write_text(json.dumps(config))
-    result = run(tmp_path / "run", data, 1, f"data.features={cache}", f"target.path={other}")
-    assert result.returncode == 2 and "other target" in result.stderr and "config.json" in result.stderr
+    line = refused(capsys, tmp_path / "run", data, f"data.features={cache}", f"target.path={other}")
+    assert "other target" in line and "config.json" in line
 
 
-def test_truncated_corrupt_and_unfinished_caches_are_refused(cache, data, tmp_path):
+def test_truncated_corrupt_and_unfinished_caches_are_refused(cache, data, tmp_path, capsys):
+    from dflash_trainer.cli import main
+
     copy = _copy(cache, tmp_path)
     shard = sorted((copy / "shards").glob("train-*.safetensors"))[1]
     good = shard.read_bytes()
     shard.write_bytes(good[:-100])
-    result = run(tmp_path / "run", data, 1, f"data.features={copy}")
-    assert result.returncode == 2 and f"feature shard {shard} is truncated" in result.stderr
+    line = refused(capsys, tmp_path / "run", data, f"data.features={copy}")
+    assert f"feature shard {shard} is truncated" in line
     flipped = bytearray(good)
     flipped[-7] ^= 0xFF
     shard.write_bytes(bytes(flipped))  # same size, new modification time: its sha256 is checked
-    result = run(tmp_path / "run", data, 1, f"data.features={copy}")
-    assert result.returncode == 2 and f"feature shard {shard} is corrupt" in result.stderr
-    verify = subprocess.run(
-        [sys.executable, "-m", "dflash_trainer.cli", "capture", "--verify", str(copy), "--no-progress"],
-        capture_output=True,
-        text=True,
-    )
-    assert verify.returncode == 2 and "1 bad shard(s)" in verify.stderr and shard.name in verify.stderr
-    ok = subprocess.run(
-        [sys.executable, "-m", "dflash_trainer.cli", "capture", "--verify", str(cache), "--no-progress"],
-        capture_output=True,
-        text=True,
-    )
-    assert ok.returncode == 0 and ": ok," in ok.stdout
+    line = refused(capsys, tmp_path / "run", data, f"data.features={copy}")
+    assert f"feature shard {shard} is corrupt" in line
+    assert main(["capture", "--verify", str(copy), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "1 bad shard(s)" in err and shard.name in err
+    assert main(["capture", "--verify", str(cache), "--no-progress"]) == 0
+    assert ": ok," in capsys.readouterr().out
     (copy / "manifest.json").unlink()
-    result = run(tmp_path / "run", data, 1, f"data.features={copy}")
-    assert result.returncode == 2 and "is not finished" in result.stderr
+    assert "is not finished" in refused(capsys, tmp_path / "run", data, f"data.features={copy}")
 
 
 def test_training_from_the_cache_never_reads_the_target_body(offline, cache, data, tmp_path):

@@ -357,10 +357,13 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
     order = list(_DRAFTER_ORDER)
     for v in phases.values():
         order += [k for k in v if k not in order]
+    where = "device" if topo.device == "cuda" else "CPU"
     role = (
         "drafter GPU"
         if topo.target_gpus
-        else ("device (target + drafter)" if topo.device == "cuda" else "CPU (target + drafter)")
+        else f"{where} (drafter, features from the cache)"
+        if topo.offline
+        else f"{where} (target + drafter)"
     )
     notes = dict(_NOTES)
     d = F.DrafterDims.of(s, w.drafter_intermediate)

@@ -279,6 +279,8 @@ def render_text(plan: Plan) -> str:
         f"{topo.target_gpus} target GPU{'s' if topo.target_gpus > 1 else ''} + {topo.drafter_gpus} drafter GPU"
         f"{'s' if topo.drafter_gpus > 1 else ''}"
         if topo.target_gpus
+        else f"drafter only, features from the cache (data.features), no target body{' (x' + str(topo.drafter_gpus) + ')' if topo.drafter_gpus > 1 else ''}"
+        if topo.offline
         else f"target and drafter on one device{' (x' + str(topo.drafter_gpus) + ')' if topo.drafter_gpus > 1 else ''}"
     )
     each = " each" if topo.target_gpus or topo.drafter_gpus > 1 else ""

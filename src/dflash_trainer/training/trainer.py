@@ -456,7 +456,11 @@ class Trainer:
                 self.c.step += 1
                 if self.feed is not None:
                     self.feed.end_step()
-                record = {"step": self.c.step, "skipped_nonfinite": self.c.skipped_nonfinite}
+                record = {
+                    "step": self.c.step,
+                    "skipped_nonfinite": self.c.skipped_nonfinite,
+                    "elapsed_s": time.time() - t_start,  # this process's wall time since the loop began
+                }
                 if out is not None:
                     tok_last += out["tokens"]
                     record.update(out)
