@@ -324,3 +324,7 @@ def test_the_planner_prices_the_cache_and_the_offline_drafter(cache, data):
     names = {i["name"] for i in drafter["items"]}
     assert "features read from the cache" in names and "target weights" not in names
     assert "target embedding + lm_head (frozen)" in names
+    # without data.features: the row count of the data train prepared into the data cache
+    cfg = load_config(["tiny-demo"], [*DIST_SMALL, f"data.train_files=[{data}]"])
+    priced = render_json(plan_for_config(cfg))["capture"]
+    assert priced["rows"] == c["rows"] and priced["rows_source"].startswith("prepared data ")

@@ -12,6 +12,8 @@ processes) continues where the killed one stopped: nothing is written twice, not
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,7 +44,7 @@ def capture_plan(
         "train": row_bytes(seq_len, hidden_size, k, storage, teacher),
         "eval": row_bytes(seq_len, hidden_size, k, storage, True),
     }
-    return {
+    plan = {
         "format": FORMAT,
         "version": VERSION,
         "settings": {
@@ -58,6 +60,12 @@ def capture_plan(
         "row_bytes": sizes,
         "rows_per_shard": max(1, shard_bytes // max(sizes.values())),
     }
+    # the cache's identity in one hash: what its bytes depend on (settings, target, data rows, layout)
+    identity = {k: plan[k] for k in ("settings", "target", "splits", "rows_per_shard")}
+    identity["target"] = {k: v for k, v in target.items() if k != "path"}
+    identity["data"] = data.get("files")
+    plan["key"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return plan
 
 
 def plan_differences(have: dict, want: dict) -> list[str]:

@@ -8,6 +8,7 @@ dflash-train plan --target qwen3-8b --gpu 80 --set data.max_anchors=2048 --json
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -153,9 +154,7 @@ def plan_for_config(
 
 def _cache_rows(cfg) -> tuple[int | None, str]:
     """``(rows, where from)`` of the configured data, when known without tokenizing: a feature cache's or
-    a prepared folder's manifest (``data.features`` / ``data.prepared``)."""
-    import json
-
+    a prepared folder's manifest (``data.features`` / ``data.prepared``), or the data cache's."""
     for key, name in (("features", "manifest.json"), ("prepared", "manifest.json")):
         folder = getattr(cfg.data, key)
         if folder:
@@ -170,7 +169,25 @@ def _cache_rows(cfg) -> tuple[int | None, str]:
                 return int(n), f"data.{key} {folder}"
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-    return None, ""
+    return _prepared_cache_rows(cfg)
+
+
+def _prepared_cache_rows(cfg) -> tuple[int | None, str]:
+    """Rows of the configured data when ``train`` already prepared it into the data cache (the target
+    folder's tokenizer gives the cache key; nothing is tokenized here)."""
+    if not cfg.data.train_files or not cfg.target.path:
+        return None, ""
+    try:
+        from ..data.prepare import cache_root, request_for
+        from ..model.loading import load_target_config
+
+        text_cfg, tokenizer, _ = load_target_config(cfg.target.path)
+        request = request_for(cfg.data, tokenizer, text_cfg.vocab_size, min_tokens=cfg.drafter.block_size + 1)
+        root = Path(cfg.data.cache_dir or cache_root())  # as data.prepare.ensure_prepared finds it
+        m = json.loads((root / request.key() / "manifest.json").read_text())
+        return m["splits"]["train"]["rows"] + m["splits"]["eval"]["rows"], f"prepared data {root / request.key()}"
+    except (UserError, OSError, ValueError, KeyError, TypeError):
+        return None, ""
 
 
 def capture_cost(cfg, s, w: F.Workload) -> dict:
