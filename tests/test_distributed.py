@@ -56,6 +56,26 @@ def _env(debug: str = "DETAIL") -> dict:
     }
 
 
+def cli_command(nproc: int, args: list[str]) -> list[str]:
+    """``dflash-train ARGS`` as one plain process (N = 1) or under ``torchrun --nproc-per-node N``."""
+    if nproc == 1:
+        return [sys.executable, "-m", "dflash_trainer.cli", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "dflash_trainer.cli",
+        *args,
+    ]
+
+
 def launch(
     out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = (), debug: str = "DETAIL"
 ) -> subprocess.Popen:
@@ -63,25 +83,13 @@ def launch(
     args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
     for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
         args += ["--set", item]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "dflash_trainer.cli", *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "dflash_trainer.cli",
-            *args,
-        ]
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(debug), start_new_session=True
+        cli_command(nproc, args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(debug),
+        start_new_session=True,
     )
 
 

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_distributed import SMALL as DIST_SMALL
-from test_distributed import _env, _free_port, assert_same_losses, losses, run
+from test_distributed import _env, assert_same_losses, cli_command, losses, run
 from test_train import write_data
 
 from dflash_trainer.config import TargetConfig
@@ -32,22 +31,7 @@ def capture_cmd(out: Path, data: Path, nproc: int, *extra: str) -> list[str]:
     args = ["capture", "--config", "tiny-demo", "--no-progress", "--out", str(out)]
     for item in [*DIST_SMALL, f"data.train_files=[{data}]", ONE_ROW_PER_SHARD, *extra]:
         args += ["--set", item]
-    if nproc == 1:
-        return [sys.executable, "-m", "dflash_trainer.cli", *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "dflash_trainer.cli",
-        *args,
-    ]
+    return cli_command(nproc, args)
 
 
 def capture(out: Path, data: Path, nproc: int = 1, *extra: str) -> subprocess.CompletedProcess:

@@ -87,20 +87,7 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
         target.model.to(device)
         if writer:
             _print_data(cfg, report, train_rows, eval_rows)
-        # Drafter rank 0 prepares the output folder and picks the checkpoint; every rank learns where
-        # the run resumes (step, global row index), or the one-line error that stops all of them.
-        agreed = [None]
-        if writer:
-            try:
-                path = Trainer.prepare_output(cfg, Path(cfg.output_dir), resume, overwrite, train_rows, eval_rows)
-                counters = read_counters(path) if path is not None else {"step": 0, "rows_consumed": 0}
-                agreed = [{"path": str(path) if path else None, **counters}]
-            except UserError as exc:
-                agreed = [{"error": str(exc)}]
-        dist.broadcast_object_list(agreed, src=layout.target_ranks)
-        start = agreed[0]
-        if "error" in start:
-            raise UserError(start["error"])
+        start = _agreed_start(cfg, resume, overwrite, train_rows, eval_rows, writer=writer, src=layout.target_ranks)
         print(
             f"rank {layout.rank} ({role}) of {layout.world}: {layout.target_ranks} target + "
             f"{layout.drafter_ranks} drafter ranks, starting at step {start['step']}",
@@ -131,33 +118,62 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
             start_step=start["step"],
             rows_consumed=start["rows_consumed"],
         )
-        trainer = Trainer(
-            cfg,
-            target,
-            tokenizer,
-            train_rows,
-            eval_rows,
-            out_dir=Path(cfg.output_dir),
-            target_path=cfg.target.path,
-            progress=progress,
-            feed=feed,
-            group=group,
-        )
-        if start["path"]:
-            trainer.resume_from(Path(start["path"]))
-        result = trainer.run()
-        summary = _finish(cfg, trainer, result) if writer else {}
-        dist.destroy_process_group()
-        return summary
+        return _train_fed(cfg, target, tokenizer, train_rows, eval_rows, feed, group, start, progress=progress)
     except UserError as exc:
         raise UserError(f"rank {layout.rank} ({role}): {exc}") from None
+
+
+def _agreed_start(cfg: RunConfig, resume, overwrite: bool, train_rows, eval_rows, *, writer: bool, src: int) -> dict:
+    """``{"path", "step", "rows_consumed"}`` where the run starts: the writer (drafter rank 0) prepares
+    the output folder and picks the checkpoint; under torchrun every rank learns it from rank ``src``,
+    or the one-line error that stops all of them."""
+    import torch.distributed as dist
+
+    agreed = [None]
+    if writer:
+        try:
+            path = Trainer.prepare_output(cfg, Path(cfg.output_dir), resume, overwrite, train_rows, eval_rows)
+            counters = read_counters(path) if path is not None else {"step": 0, "rows_consumed": 0}
+            agreed = [{"path": str(path) if path else None, **counters}]
+        except UserError as exc:
+            agreed = [{"error": str(exc)}]
+    if dist.is_initialized():
+        dist.broadcast_object_list(agreed, src=src)
+    start = agreed[0]
+    if "error" in start:
+        raise UserError(start["error"])
+    return start
+
+
+def _train_fed(cfg: RunConfig, target, tokenizer, train_rows, eval_rows, feed, group, start: dict, *, progress: bool):
+    """A drafter rank's training, its features from ``feed``; the summary on the writer, {} elsewhere."""
+    import torch.distributed as dist
+
+    trainer = Trainer(
+        cfg,
+        target,
+        tokenizer,
+        train_rows,
+        eval_rows,
+        out_dir=Path(cfg.output_dir),
+        target_path=cfg.target.path,
+        progress=progress,
+        feed=feed,
+        group=group,
+    )
+    if start["path"]:
+        trainer.resume_from(Path(start["path"]))
+    result = trainer.run()
+    summary = _finish(cfg, trainer, result) if trainer.is_writer else {}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
 
 
 def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite: bool) -> dict:
     """Train from the feature cache ``data.features``: one process, or ``topology.drafter_ranks``
     data-parallel processes under torchrun; the target's embedding and head are all that is loaded."""
     import torch
-    import torch.distributed as dist
 
     from ..features.store import FeatureStore
     from ..model.loading import load_target_head, target_identity
@@ -191,41 +207,11 @@ def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite
                 "no target body loaded",
                 flush=True,
             )
-        agreed = [None]
-        if writer:
-            try:
-                path = Trainer.prepare_output(cfg, out, resume, overwrite, train_rows, eval_rows)
-                counters = read_counters(path) if path is not None else {"step": 0, "rows_consumed": 0}
-                agreed = [{"path": str(path) if path else None, **counters}]
-            except UserError as exc:
-                agreed = [{"error": str(exc)}]
-        if world > 1:
-            dist.broadcast_object_list(agreed, src=0)
-        start = agreed[0]
-        if "error" in start:
-            raise UserError(start["error"])
+        start = _agreed_start(cfg, resume, overwrite, train_rows, eval_rows, writer=writer, src=0)
         stream = RowStream(train_rows, cfg.train.seed)
         dtype = getattr(torch, cfg.target.dtype)
         feed = CachedFeed(cfg, store, stream, layout, device, dtype, rows_consumed=start["rows_consumed"])
-        trainer = Trainer(
-            cfg,
-            target,
-            tokenizer,
-            train_rows,
-            eval_rows,
-            out_dir=out,
-            target_path=cfg.target.path,
-            progress=progress,
-            feed=feed,
-            group=group,
-        )
-        if start["path"]:
-            trainer.resume_from(Path(start["path"]))
-        result = trainer.run()
-        summary = _finish(cfg, trainer, result) if writer else {}
-        if world > 1:
-            dist.destroy_process_group()
-        return summary
+        return _train_fed(cfg, target, tokenizer, train_rows, eval_rows, feed, group, start, progress=progress)
     except UserError as exc:
         raise UserError(f"rank {layout.rank} (drafter): {exc}" if world > 1 else str(exc)) from None
 
