@@ -2,7 +2,8 @@
 step time, and the held-out tau of drafters trained online and from fp32 / bf16 / FP8 caches.
 
 Every run is a real ``dflash-train`` process (one intra-op thread, as the distributed tests), on the
-tiny-demo preset's shapes and data built from the tiny target's corpus, the same seed per pair:
+tiny-demo preset (its shapes and loss) on the demo's data (``--data``; else records cut from the tiny
+target's corpus), the same seed per pair:
 
     online        train                                   (the target runs every step)
     offline-X     capture --set capture.dtype=X, then train --set data.features=DIR  (X = bf16, FP8;
@@ -11,7 +12,9 @@ tiny-demo preset's shapes and data built from the tiny target's corpus, the same
 Step time: the median of the per-step wall times in metrics.jsonl (``elapsed_s``), evaluation steps
 left out. The ddtree-experiment preset's cache is priced by the planner (``dflash-train plan``).
 
-    python benchmarks/bench_offline.py [--steps 800] [--seeds 0,1]   # writes results/offline.{json,md}
+    dflash-train demo --set train.max_steps=1 --set output_dir=/tmp/demo-data   # the demo's data
+    python benchmarks/bench_offline.py --data /tmp/demo-data [--steps 800] [--seeds 0,1]
+                                                    # writes benchmarks/results/offline.{json,md}
 """
 
 from __future__ import annotations
@@ -78,20 +81,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=800)  # the demo's budget
     ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--data", default=None, help="a folder with train.jsonl and eval.jsonl (a demo run's output)")
+    ap.add_argument("--render", action="store_true", help="rewrite offline.md from offline.json and exit")
     args = ap.parse_args()
+    if args.render:
+        (RESULTS / "offline.md").write_text(render(json.loads((RESULTS / "offline.json").read_text())))
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     eval_every = args.steps // 2
     work = Path(tempfile.mkdtemp(prefix="bench-offline-"))
     os.environ["DFLASH_DATA_CACHE"] = str(work / "data-cache")
-    data = write_data(work / "data.jsonl", n=120, chars=3000)
-    base = [
-        f"data.train_files=[{data}]",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={eval_every}",
-        f"train.save_every={args.steps}",
-        "loss.kl_weight=0.15",  # the teacher is stored too: the cache holds what soft KL needs
-    ]
-    out = {"steps": args.steps, "seeds": seeds, "captures": {}, "runs": {}}
+    if args.data:  # the demo's regenerated responses (dflash-train demo writes train.jsonl, eval.jsonl)
+        files = [
+            f"data.train_files=[{Path(args.data) / 'train.jsonl'}]",
+            f"data.eval_files=[{Path(args.data) / 'eval.jsonl'}]",
+        ]
+    else:
+        files = [f"data.train_files=[{write_data(work / 'data.jsonl', n=120, chars=3000)}]"]
+    base = [*files, f"train.max_steps={args.steps}", f"train.eval_every={eval_every}", f"train.save_every={args.steps}"]
+    data_name = "the demo's regenerated responses" if args.data else "records cut from the tiny target's corpus"
+    out = {"steps": args.steps, "seeds": seeds, "data": data_name, "captures": {}, "runs": {}}
     for dtype in DTYPES:
         folder = work / f"features-{dtype}"
         stdout, wall = cli(
@@ -158,8 +167,10 @@ def render(r: dict) -> str:
         "# Offline training (tiny target, CPU)",
         "",
         "`python benchmarks/bench_offline.py` (one intra-op thread per process; "
-        f"{r['steps']} steps, seeds {r['seeds']}, tiny-demo shapes, loss.kl_weight 0.15). "
-        f"Load average at the end: {r['machine']['load_avg_at_end']:.1f} on {r['machine']['cores']} cores.",
+        f"{r['steps']} steps, seeds {r['seeds']}, the tiny-demo preset, data: {r['data']}). "
+        f"Load average at the end: {r['machine']['load_avg_at_end']:.1f} on {r['machine']['cores']} cores: the "
+        "machine was shared with other jobs, so times move from run to run (compare within a seed); the "
+        "capture rates include the target forward on one thread.",
         "",
         "| cache | rows | MB | bytes/token | vs bf16 | capture rows/s | tokens/s | MB/s written |",
         "|---|---|---|---|---|---|---|---|",
@@ -183,7 +194,8 @@ def render(r: dict) -> str:
         )
     lines += [
         "",
-        "ddtree-experiment (65,536-token rows, k = 5 layers of H = 5,120, teacher stored), priced by the planner:",
+        "ddtree-experiment (65,536-token rows, k = 5 layers of H = 5,120, teacher stored: its loss has soft KL), "
+        "priced by the planner (`dflash-train plan --config ddtree-experiment --set capture.dtype=...`):",
         "",
         "| storage | per row | 10,000 rows |",
         "|---|---|---|",
