@@ -166,7 +166,8 @@ def render(r: dict) -> str:
     lines = [
         "# Offline training (tiny target, CPU)",
         "",
-        "`python benchmarks/bench_offline.py` (one intra-op thread per process; "
+        "`dflash-train demo --set train.max_steps=1 --set output_dir=DIR && python benchmarks/bench_offline.py "
+        "--data DIR` (one intra-op thread per process; "
         f"{r['steps']} steps, seeds {r['seeds']}, the tiny-demo preset, data: {r['data']}). "
         f"Load average at the end: {r['machine']['load_avg_at_end']:.1f} on {r['machine']['cores']} cores: the "
         "machine was shared with other jobs, so times move from run to run (compare within a seed); the "
