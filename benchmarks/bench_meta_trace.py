@@ -317,7 +317,9 @@ def trace_target(cfg, shape, scan_steps: int | None = SCAN_STEPS, fake: bool = T
     ids_layers = _target_layer_ids(shape, plan_workload(cfg), cfg.target.layer_ids)
     L = cfg.data.seq_len
     g = torch.Generator().manual_seed(0)
-    row = PackedRow(torch.randint(4, shape.vocab_size, (L,), generator=g), torch.arange(L), torch.ones(L, dtype=torch.long))
+    row = PackedRow(
+        torch.randint(4, shape.vocab_size, (L,), generator=g), torch.arange(L), torch.ones(L, dtype=torch.long)
+    )
     with mode:
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
         target = TargetModel(model, ids_layers)
@@ -353,8 +355,10 @@ def trace_target(cfg, shape, scan_steps: int | None = SCAN_STEPS, fake: bool = T
 def scan_check(small: bool, layers: int = 4) -> dict:
     """The first ``layers`` layers of the target (hooks on layers 1 and 2) at the run's shapes, traced with
     the chunk scan in full and with its prefix only: the evidence for ``chunk_scan_prefix`` at full shape."""
-    cfg, shape = setup(small)
-    cfg = load_config(SEED[0], [*SEED[1], *(SMALL if small else []), "target.num_feature_layers=2", "target.layer_ids=[1,2]"])
+    _, shape = setup(small)
+    cfg = load_config(
+        SEED[0], [*SEED[1], *(SMALL if small else []), "target.num_feature_layers=2", "target.layer_ids=[1,2]"]
+    )
     part = dict(shape.config, num_hidden_layers=layers, layer_types=list(shape.layer_types[:layers]))
     shape = type(shape).from_config(part, f"{shape.name}, first {layers} layers")
     out = {"layers": layers, "layer_types": list(shape.layer_types)}
@@ -435,13 +439,13 @@ def compare(cfg, shape, roles=("drafter", "target")) -> dict:
         out["rows"].append(_row("target rank", "target forward", traced, comparable, p["untraced"]))
         weights = target["peak_by_category"]["Parameter"]
         out["rows"].append(_row("target rank", "- weights", weights, p["weights"], {}))
-        out["rows"].append(
-            _row("target rank", "- above the weights", traced - weights, comparable - p["weights"], {})
-        )
+        out["rows"].append(_row("target rank", "- above the weights", traced - weights, comparable - p["weights"], {}))
         for kind, name in LAYER_KINDS.items():
             mine = [v for v, k in zip(target["layer_transients"], shape.layer_types) if k == kind]
             if mine:  # the largest transient of a layer of this kind, over what was alive when it began
-                out["rows"].append(_row("target rank", f"- {name}, transient", max(mine), p["layer transient"][kind], {}))
+                out["rows"].append(
+                    _row("target rank", f"- {name}, transient", max(mine), p["layer transient"][kind], {})
+                )
         out["target_peak_by_category"] = target["peak_by_category"]
         out["cuda_differences"] = cuda_differences(shape, cfg, target, p)
         out["target_body_peak"] = target["body_peak"]
@@ -488,9 +492,13 @@ def cuda_differences(shape, cfg, target: dict, planned: dict) -> list[str]:
     gb, L = 1e9, cfg.data.seq_len
     lines = []
     kinds = dict(zip(shape.layer_types, target["layer_transients"]))
-    linear = max((v for v, k in zip(target["layer_transients"], shape.layer_types) if k == "linear_attention"), default=0)
+    linear = max(
+        (v for v, k in zip(target["layer_transients"], shape.layer_types) if k == "linear_attention"), default=0
+    )
     if linear:
-        full = max((v for v, k in zip(target["layer_transients"], shape.layer_types) if k != "linear_attention"), default=0)
+        full = max(
+            (v for v, k in zip(target["layer_transients"], shape.layer_types) if k != "linear_attention"), default=0
+        )
         old, new = fallback_chunk_buffers(shape, L), fla_chunk_buffers(shape, L)
         on_gpu = linear - old + new
         drop = linear - max(on_gpu, full)
@@ -603,7 +611,9 @@ def _scan_check_lines(check: dict, gb: float) -> list[str]:
         r = check[name]
         cats = r["peak_by_category"]
         trans = ", ".join(f"{v / gb:.3f}" for v in r["layer_transients"])
-        rows.append(f"| {name} | {r['seconds']:.0f} | {cats['Total'] / gb:.3f} | {cats['Activation'] / gb:.3f} | {trans} |")
+        rows.append(
+            f"| {name} | {r['seconds']:.0f} | {cats['Total'] / gb:.3f} | {cats['Activation'] / gb:.3f} | {trans} |"
+        )
     verdict = "equal to the byte" if check["equal"] else "NOT equal"
     rows += ["", f"Every peak (by category, the body's, each layer's transient) is {verdict}."]
     return rows

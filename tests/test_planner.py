@@ -77,7 +77,9 @@ def test_target_gpu_weights_are_what_a_target_rank_keeps(name):
         target = TargetModel(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), num_feature_layers=2)
     target.keep_only("body")
     kept = sum(p.numel() * p.element_size() for p in target.model.parameters())  # shared tensors counted once
-    cfg = load_config(["ddtree-experiment"], ["target.path=null", f"topology.target_model={name}", "target.layer_ids=null"])
+    cfg = load_config(
+        ["ddtree-experiment"], ["target.path=null", f"topology.target_model={name}", "target.layer_ids=null"]
+    )
     plan = plan_for_config(cfg)
     ids = _target_layer_ids(shape, plan.workload, None)
     topo = Topology(memory=int(100 * GB), device_name="x", target_gpus=1)
