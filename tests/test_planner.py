@@ -60,6 +60,36 @@ def test_target_param_count_matches_transformers(name):
         assert abs(target_param_count(shape) * 2 / GB - 54) < 0.5
 
 
+@pytest.mark.parametrize("name", ["qwen3.6-27b", "tiny"])
+def test_target_gpu_weights_are_what_a_target_rank_keeps(name):
+    """A target rank drops the output head (``keep_only("body")``); a tied head is the embedding and stays."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from dflash_trainer.model.target import TargetModel
+    from dflash_trainer.planner.plan import _target_layer_ids, target_device_plan
+
+    shape = load_target_shape(name)
+    c = {k: v for k, v in shape.config.items() if k != "model_type"}
+    config = Qwen3_5TextConfig(**c) if shape.model_type == "qwen3_5_text" else Qwen3Config(**c)
+    # meta for the 27B (hybrid: TargetModel runs no probe forward); the tiny one is real (its packing probe runs)
+    with torch.device("meta" if shape.num_linear_attention else "cpu"):
+        target = TargetModel(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), num_feature_layers=2)
+    target.keep_only("body")
+    kept = sum(p.numel() * p.element_size() for p in target.model.parameters())  # shared tensors counted once
+    cfg = load_config(
+        ["ddtree-experiment"], ["target.path=null", f"topology.target_model={name}", "target.layer_ids=null"]
+    )
+    plan = plan_for_config(cfg)
+    ids = _target_layer_ids(shape, plan.workload, None)
+    topo = Topology(memory=int(100 * GB), device_name="x", target_gpus=1)
+    dev = target_device_plan(shape, plan.workload, topo, ids)
+    weights = next(i.bytes for i in dev.items if i.name == "target weights")
+    assert weights == kept
+    full = target_param_count(shape) * 2
+    assert (weights < full) == (not shape.tie_word_embeddings)
+
+
 @pytest.mark.parametrize("layers,k,heads,kv,hd,inter", [(1, 5, 4, 2, 8, 48), (3, 3, 6, 3, 4, 40), (5, 5, 2, 1, 16, 24)])
 def test_drafter_param_count_matches_the_real_drafter(layers, k, heads, kv, hd, inter):
     hidden, vocab = 32, 64

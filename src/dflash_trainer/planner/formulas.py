@@ -263,8 +263,9 @@ def target_forward_peak(s: TargetShape, w: Workload, layer_ids: list[int], cpu_t
     """Peak of ``TargetModel.features`` above the weights: ``{'activations', 'captured', 'mask'}``.
 
     The body runs layer by layer; alive at layer l are the input embeddings (HF keeps ``inputs_embeds``),
-    the RoPE tables, the mask, the hooked outputs captured so far (each is also the next layer's
-    residual), the hidden state and the layer's own temporaries. The forward stops after the last hooked
+    the RoPE tables, the mask, the hooked outputs captured so far, the layer's input (the previous
+    layer's output, counted once: when that layer is hooked it is the captured tensor itself, and layer
+    0's input is ``inputs_embeds``) and the layer's own temporaries. The forward stops after the last hooked
     layer unless teacher states are needed (then all layers and the final norm run). At the end
     ``torch.cat`` copies the captured outputs into the context ``[L, k*H]`` while they are still alive."""
     L, h, t = w.seq_len, s.hidden_size, w.t
@@ -274,7 +275,8 @@ def target_forward_peak(s: TargetShape, w: Workload, layer_ids: list[int], cpu_t
     peak_act, peak_total = 0, 0
     for layer in range(last + 1):
         captured = sum(1 for i in hooked if i < layer) * L * h * t
-        act = L * h * t + target_layer_transient(s, w, s.layer_types[layer], cpu_threads)
+        residual = 0 if layer == 0 or layer - 1 in hooked else L * h * t
+        act = residual + target_layer_transient(s, w, s.layer_types[layer], cpu_threads)
         if fixed + act + captured > peak_total:
             peak_total, peak_act = fixed + act + captured, fixed + act
     k = len(layer_ids)

@@ -150,11 +150,13 @@ def _device(
 
 
 def target_phases(
-    s: TargetShape, w: F.Workload, layer_ids: list[int], naive: bool, cpu_threads: int = 0
+    s: TargetShape, w: F.Workload, layer_ids: list[int], naive: bool, cpu_threads: int = 0, body_only: bool = False
 ) -> dict[str, int]:
+    """The target forward's items. ``body_only``: the weights of a target rank, which drops the output head
+    (``TargetModel.keep_only("body")``; a tied head is the embedding and stays)."""
     fwd = F.target_forward_peak(s, w, layer_ids, cpu_threads)
     out = {
-        "target weights": F.target_weight_bytes(target_param_count(s), w),
+        "target weights": F.target_weight_bytes(target_param_count(s) - (_untied_head(s) if body_only else 0), w),
         "target activations (body-only forward)": fwd["activations"],
         "captured hidden states": fwd["captured"],
         "attention mask (packed rows, sdpa)": fwd["mask"],
@@ -388,14 +390,22 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
     return _device(role, topo.drafter_gpus, topo, phases, order, notes)
 
 
+def _untied_head(s: TargetShape) -> int:
+    """Parameters of the output head a target rank drops (none when it is tied to the embedding)."""
+    return 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
+
+
 def target_device_plan(s, w, topo, layer_ids, naive=False) -> DevicePlan:
-    items = target_phases(s, w, layer_ids, naive, topo.threads)
+    items = target_phases(s, w, layer_ids, naive, topo.threads, body_only=True)
     from .throughput import bytes_per_row
 
     items["rows queued for sending"] = w.prefetch * bytes_per_row(s, w)
     notes = dict(_NOTES)
     notes["rows queued for sending"] = f"topology.prefetch = {w.prefetch} rows may wait for the drafter rank"
-    notes["target weights"] = f"{target_param_count(s) / 1e9:.2f} B parameters, {w.target_dtype}"
+    kept = target_param_count(s) - _untied_head(s)
+    notes["target weights"] = f"{kept / 1e9:.2f} B parameters, {w.target_dtype}" + (
+        " (body and embedding: the output head stays on the drafter rank)" if _untied_head(s) else ""
+    )
     notes["captured hidden states"] = f"{len(layer_ids)} hooked layers + their [L, k*H] concatenation"
     notes["target activations (body-only forward)"] = _forward_note(s, w, layer_ids)
     return _device("target GPU", topo.target_gpus, topo, {"target forward": items}, list(items), notes)
