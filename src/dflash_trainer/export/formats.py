@@ -160,6 +160,8 @@ def export_checkpoint(
         raise UserError(f"unknown export format {fmt!r}: use 'zlab' or 'speculators'")
     meta = read_checkpoint_config(checkpoint)
     spec = checkpoint_spec(meta)
+    if spec.variant != "dflash":  # the speculators dspark format is not written yet (issue 23's export point)
+        raise UserError(f"cannot export a {spec.variant} drafter yet: only dflash drafters export ({fmt})")
     target = meta["target"]
     scale = _scale(target_model, target)
     found = mismatches(

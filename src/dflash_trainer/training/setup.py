@@ -19,7 +19,7 @@ def open_training_data(cfg: RunConfig, tokenizer, vocab_size: int, *, share: Cal
     on first use). ``share(find)``: a distributed launch's way to let one rank prepare while the others
     wait (``distributed.on_rank0``); it returns the storage folder on every rank. The reports are
     copied into ``output_dir`` and checked against ``data.max_bad_fraction`` there."""
-    request = request_for(cfg.data, tokenizer, vocab_size, min_tokens=cfg.drafter.block_size + 1)
+    request = request_for(cfg.data, tokenizer, vocab_size, min_tokens=cfg.drafter.block_span + 1)
 
     def find() -> str:
         return str(find_storage(cfg.data, request, tokenizer, progress=progress))
