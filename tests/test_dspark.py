@@ -163,3 +163,46 @@ def test_teacher_forced_tau_equals_the_decode_walk(small_run):
     assert len(report["slot_acceptance"]) == drafter.spec.block_size
     assert 1.0 <= report["tau"] <= drafter.spec.block_size + 1
     assert variant_of(drafter.spec).name == "dspark"
+
+
+def test_planner_prices_the_heads_their_optimizer_state_and_the_loss_workspace(small_run):
+    """The planner's head parameters are the drafter's real ones, and DSpark's plan adds weights,
+    AdamW state and loss workspace to DFlash's."""
+    from dflash_trainer.planner import formulas as F
+    from dflash_trainer.planner.report import workload_from_config
+
+    cfg = small_run["cfg"]
+    drafter = load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", small_run["target"])[0]
+    heads = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith(("markov_head", "confidence_head")))
+    w = workload_from_config(cfg)
+    spec = drafter.spec
+    dims = F.DrafterDims(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.vocab_size)
+    assert F.variant_head_params(w, dims)[0] == heads > 0
+    assert w.loss_rows == cfg.data.max_anchors * cfg.drafter.block_size  # the anchor slot predicts too
+    plain = workload_from_config(load_config(["tiny-demo"], [f"data.max_anchors={cfg.data.max_anchors}", "drafter.block_size=4"]))
+    ws, ws0 = (sum(F.loss_workspace(x, spec.vocab_size, spec.hidden_size, 64).values()) for x in (w, plain))
+    assert ws > ws0
+
+
+def test_speculate_cli_with_a_confidence_threshold_reports_target_tokens_saved(small_run, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(small_run["data"].read_text().splitlines()[0] + "\n")
+    ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
+    base = [sys.executable, "-m", "dflash_trainer.cli", "speculate", "--drafter", str(ckpt), "--input", str(prompts)]
+    reports = {}
+    for c in ("0", "0.9"):
+        out = tmp_path / f"spec-{c}.jsonl"
+        run = subprocess.run(
+            [*base, "--output", str(out), "--max-new-tokens", "24", "--confidence-threshold", c],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert run.returncode == 0, run.stderr
+        reports[c] = json.loads(out.with_name(out.name + ".report.json").read_text())["modes"]["chain"]
+        assert reports[c]["mismatches"] == 0
+    assert reports["0"]["target_tokens_saved"] == 0
+    assert reports["0.9"]["target_tokens_saved"] > 0
+    assert reports["0.9"]["drafts_per_round"] < reports["0"]["drafts_per_round"]

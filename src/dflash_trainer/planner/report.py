@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict
 
 from ..errors import UserError
+from ..variants import variant_of
 from . import formulas as F
 from .plan import Plan, Topology, _target_layer_ids, make_plan
 from .shapes import GB, TARGET_PRESETS, TargetShape, gpu_memory, load_target_shape, target_param_count
@@ -21,6 +22,7 @@ from .throughput import DEFAULT_UTILIZATION, GPU_PEAKS, best_split, throughput
 def workload_from_config(cfg) -> F.Workload:
     """The planner's view of a ``RunConfig``."""
     d, lo, tr = cfg.drafter, cfg.loss, cfg.train
+    variant_terms = variant_of(d.variant).planner_terms(d.variant_settings.model_dump())
     return F.Workload(
         seq_len=cfg.data.seq_len,
         max_anchors=cfg.data.max_anchors,
@@ -43,7 +45,8 @@ def workload_from_config(cfg) -> F.Workload:
         chunk_size=lo.chunk_size,
         grad_accum=tr.grad_accum,
         activation_checkpointing=d.activation_checkpointing,
-        need_teacher_layers=lo.kl_weight > 0 or lo.labels == "teacher",
+        need_teacher_layers=lo.kl_weight > 0 or lo.labels == "teacher" or variant_terms["variant_teacher"],
+        **variant_terms,
     )
 
 

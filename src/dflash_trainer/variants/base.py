@@ -31,6 +31,22 @@ class Variant:
         the teacher even when the base loss does not."""
         return False
 
+    def head_shapes(self, options: dict, hidden: int, vocab: int) -> list[tuple[int, ...]]:
+        """The parameter shapes ``heads`` adds (the planner prices them, their gradients and AdamW state)."""
+        return []
+
+    def planner_terms(self, options: dict) -> dict:
+        """The planner's ``Workload`` fields of this variant (``planner.formulas.Workload``)."""
+        return {"variant": self.name, "variant_options": tuple(sorted(options.items()))}
+
+    def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
+        """One line saying why ``fmt`` cannot hold this variant's drafter, or None."""
+        return None
+
+    def speculators_config(self, config: dict, spec: DrafterSpec) -> dict:
+        """The speculators ``config.json`` of a DFlash export, adapted to the variant."""
+        return config
+
     def batch_extras(self, spec: DrafterSpec, input_ids: torch.Tensor, anchors: torch.Tensor) -> dict:
         """Per-row tensors of a step's blocks the variant's loss needs (``anchors`` ``[nb]``, ``input_ids`` ``[L]``)."""
         return {}

@@ -98,6 +98,50 @@ class DSparkVariant(Variant):
             out["confidence_head"] = ConfidenceHead(spec.hidden_size + extra)
         return out
 
+    def head_shapes(self, options: dict, hidden: int, vocab: int) -> list[tuple[int, ...]]:
+        r = options["markov_rank"]
+        shapes = [(vocab, r), (vocab, r)]  # W1, W2
+        if options["markov_head_type"] == "gated":
+            shapes += [(r, hidden + r), (r,)]
+        elif options["markov_head_type"] == "rnn":
+            shapes += [(3 * r, 2 * r + hidden), (3 * r,)]
+        if options["confidence_head"]:
+            shapes += [(1, hidden + (r if options["confidence_head_with_markov"] else 0)), (1,)]
+        return shapes
+
+    def planner_terms(self, options: dict) -> dict:
+        return {
+            **super().planner_terms(options),
+            "label_shift": 1 if options["sample_from_anchor"] else 0,
+            "bias_rank": options["markov_rank"],
+            "per_row_terms": self.needs_teacher(options),
+            "variant_teacher": self.needs_teacher(options),
+        }
+
+    def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
+        if fmt != "speculators":
+            return f"the {fmt} format has no Markov or confidence head: export a dspark drafter as speculators"
+        return None
+
+    def speculators_config(self, config: dict, spec: DrafterSpec) -> dict:
+        """speculators' ``DSparkSpeculatorConfig`` (the ``dspark`` method vLLM serves): the DFlash fields
+        plus the heads' settings; the weights keep speculators' names (``markov_head.markov_w1`` ...)."""
+        o = _options(spec)
+        drafts = spec.block_size if o["sample_from_anchor"] else spec.block_size - 1
+        sc = dict(config["speculators_config"], algorithm="dspark")
+        sc["proposal_methods"] = [{"proposal_type": "greedy", "speculative_tokens": drafts}]
+        return {
+            **config,
+            "speculators_model_type": "dspark",
+            "architectures": ["DSparkSpeculator"],
+            "sample_from_anchor": o["sample_from_anchor"],
+            "markov_rank": o["markov_rank"],
+            "markov_head_type": o["markov_head_type"],
+            "enable_confidence_head": o["confidence_head"],
+            "confidence_head_with_markov": o["confidence_head_with_markov"] and o["confidence_head"],
+            "speculators_config": sc,
+        }
+
     def needs_teacher(self, options: dict) -> bool:
         o = options
         return o["confidence_head"] or o["renyi_weight"] > 0 or o["position_weights"] == "dpard"
@@ -158,6 +202,19 @@ class DSparkVariant(Variant):
                 keep = w > 0
                 metrics["confidence_bce"] = conf_loss.detach()
                 metrics["confidence_pred"] = conf.sigmoid()[keep].mean() if keep.any() else conf.new_zeros(())
+                # calibration per slot: predicted vs measured acceptance, summed over rows with loss
+                slots = batch.slots[keep]
+                metrics["confidence_per_slot"] = {
+                    "rows": torch.zeros(b, dtype=torch.float64, device=conf.device).index_add_(
+                        0, slots, torch.ones_like(slots, dtype=torch.float64)
+                    ),
+                    "predicted": torch.zeros(b, dtype=torch.float64, device=conf.device).index_add_(
+                        0, slots, conf.sigmoid()[keep].double()
+                    ),
+                    "measured": torch.zeros(b, dtype=torch.float64, device=conf.device).index_add_(
+                        0, slots, accept[keep].double()
+                    ),
+                }
                 metrics["confidence_abs_error"] = (
                     (conf.sigmoid() - accept).abs()[keep].mean() if keep.any() else conf.new_zeros(())
                 )
