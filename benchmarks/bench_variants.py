@@ -55,12 +55,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--out", default="runs/bench-variants")
+    ap.add_argument("--prompts-per-file", type=int, default=4, help="the demo's default: 4 (340 prompts)")
+    ap.add_argument("--max-steps", type=int, default=800, help="the demo's default: 800")
     args = ap.parse_args()
     root = Path(args.out)
     base = load_config(["tiny-demo"], [f"output_dir={root / 'data'}", "train.dtype=bfloat16"])
     t0 = time.time()
     if not (root / "data" / "eval.jsonl").exists():  # the demo's regenerated data, once
-        run_demo(base.model_copy(update={"train": base.train.model_copy(update={"max_steps": 1})}))
+        run_demo(
+            base.model_copy(update={"train": base.train.model_copy(update={"max_steps": 1})}),
+            prompts_per_file=args.prompts_per_file,
+        )
     data = [f"data.train_files=[{root / 'data' / 'train.jsonl'}]", f"data.eval_files=[{root / 'data' / 'eval.jsonl'}]"]
     results = []
     for variant in ("dflash", "dspark"):
@@ -68,7 +73,14 @@ def main() -> None:
             out = root / f"{variant}-s{seed}"
             cfg = load_config(
                 ["tiny-demo"],
-                [*data, f"output_dir={out}", f"drafter.variant={variant}", f"train.seed={seed}", "train.dtype=bfloat16"],
+                [
+                    *data,
+                    f"output_dir={out}",
+                    f"drafter.variant={variant}",
+                    f"train.seed={seed}",
+                    "train.dtype=bfloat16",
+                    f"train.max_steps={args.max_steps}",
+                ],
             )
             target, tok, train_rows, eval_rows, _ = prepare(cfg)
             trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=out, target_path="tiny", progress=False)
@@ -96,7 +108,13 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     info = {
-        "command": "PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py --seeds " + " ".join(map(str, args.seeds)),
+        "command": "PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py --seeds "
+        + " ".join(map(str, args.seeds))
+        + f" --prompts-per-file {args.prompts_per_file} --max-steps {args.max_steps}",
+        "records": {
+            "train": sum(1 for _ in open(root / "data" / "train.jsonl")),
+            "eval": sum(1 for _ in open(root / "data" / "eval.jsonl")),
+        },
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch_threads": torch.get_num_threads(),
         "total_seconds": round(time.time() - t0, 1),
@@ -107,7 +125,8 @@ def main() -> None:
         "# DFlash vs DSpark on the tiny target (demo data and budget)",
         "",
         f"`{info['command']}` ({info['date']}, {info['torch_threads']} torch threads, {info['total_seconds']} s).",
-        "Same regenerated data, 800 steps of the tiny-demo preset (block 8); held-out rows as the demo scores them.",
+        f"Same regenerated data ({info['records']['train']} training / {info['records']['eval']} held-out records), "
+        f"{args.max_steps} steps of the tiny-demo preset (block 8); held-out rows as the demo scores them.",
         "DSpark: markov_rank 256, vanilla head, sample_from_anchor (B = 8 drafts a block, DFlash: 7), confidence head.",
         "",
         "| variant | seed | tau (teacher-forced) | decode-path tau | DDTree-16 | DDTree-64 | tau T=1 (expected) | params | train s |",

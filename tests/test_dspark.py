@@ -4,6 +4,7 @@ lossless greedy decoding."""
 
 import pytest
 import torch
+from test_train import SMALL, losses, write_data
 
 from dflash_trainer.config import load_config
 from dflash_trainer.inference.acceptance import acceptance_report
@@ -14,7 +15,6 @@ from dflash_trainer.training.step import draft_loss, drafter_step, needs_teacher
 from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import block_span, variant_of
 from dflash_trainer.variants.dspark import MarkovHead
-from test_train import SMALL, losses, write_data
 
 
 def dspark_config(tmp_path, data, *extra):
@@ -58,7 +58,9 @@ def test_slot_to_token_mapping(tmp_path, from_anchor):
     """sample_from_anchor: slot k predicts x[P+k+1] with prev x[P+k] (B drafts); else slot k >= 1
     predicts x[P+k] with prev x[P+k-1] (B - 1 drafts). Labels, teacher rows and prev ids of one step."""
     data = write_data(tmp_path / "data.jsonl", n=4)
-    cfg = dspark_config(tmp_path, data, f"drafter.dspark.sample_from_anchor={str(from_anchor).lower()}", "loss.kl_weight=0.5")
+    cfg = dspark_config(
+        tmp_path, data, f"drafter.dspark.sample_from_anchor={str(from_anchor).lower()}", "loss.kl_weight=0.5"
+    )
     target, tok, rows, _, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, rows, rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
     spec, b = trainer.drafter.spec, cfg.drafter.block_size
@@ -84,8 +86,12 @@ def test_slot_to_token_mapping(tmp_path, from_anchor):
 def test_training_step_matches_the_reference_loss(tmp_path, head_type):
     data = write_data(tmp_path / "data.jsonl", n=4)
     cfg = dspark_config(
-        tmp_path, data, f"drafter.dspark.markov_head_type={head_type}", "drafter.dspark.renyi_weight=0.3",
-        "drafter.dspark.position_weights=dpard", "loss.kl_weight=0.2",
+        tmp_path,
+        data,
+        f"drafter.dspark.markov_head_type={head_type}",
+        "drafter.dspark.renyi_weight=0.3",
+        "drafter.dspark.position_weights=dpard",
+        "loss.kl_weight=0.2",
     )
     assert needs_teacher(cfg)
     target, tok, rows, _, _ = prepare(cfg)
@@ -93,7 +99,12 @@ def test_training_step_matches_the_reference_loss(tmp_path, head_type):
     d = trainer.drafter
     torch.nn.init.normal_(d.markov_head.markov_w1.weight, std=0.5)  # a bias large enough to matter
     batch = drafter_step(d, produce_row_features(target, rows[0], 0, cfg), cfg, train=True)
-    params = [d.fc.weight, d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight, d.confidence_head.proj.weight]
+    params = [
+        d.fc.weight,
+        d.markov_head.markov_w1.weight,
+        d.markov_head.markov_w2.weight,
+        d.confidence_head.proj.weight,
+    ]
     fused, metrics = draft_loss(d, batch, cfg)
     g_fused = torch.autograd.grad(fused, params, retain_graph=True)
     ref, _ = draft_loss(d, batch, cfg, reference=True)
@@ -134,7 +145,7 @@ def test_dspark_trains_end_to_end(small_run):
 
 
 def test_checkpoint_roundtrip_and_chain_decoding_is_lossless(small_run):
-    target, tok = small_run["target"], small_run["tok"]
+    target = small_run["target"]
     ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
     drafter, meta = load_drafter(ckpt, target)
     assert meta["spec"]["variant"] == "dspark" and hasattr(drafter, "markov_head")
@@ -158,7 +169,10 @@ def test_checkpoint_roundtrip_and_chain_decoding_is_lossless(small_run):
 
 def test_teacher_forced_tau_equals_the_decode_walk(small_run):
     """The eval's chain tau at the decode path is what speculative decoding measures, for DSpark too."""
-    target, drafter = small_run["target"], load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", small_run["target"])[0]
+    target, drafter = (
+        small_run["target"],
+        load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", small_run["target"])[0],
+    )
     report = acceptance_report(target, drafter, small_run["rows"][:2], budgets=[16], max_blocks_per_row=8)
     assert len(report["slot_acceptance"]) == drafter.spec.block_size
     assert 1.0 <= report["tau"] <= drafter.spec.block_size + 1
@@ -176,10 +190,14 @@ def test_planner_prices_the_heads_their_optimizer_state_and_the_loss_workspace(s
     heads = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith(("markov_head", "confidence_head")))
     w = workload_from_config(cfg)
     spec = drafter.spec
-    dims = F.DrafterDims(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.vocab_size)
+    dims = F.DrafterDims(
+        spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.vocab_size
+    )
     assert F.variant_head_params(w, dims)[0] == heads > 0
     assert w.loss_rows == cfg.data.max_anchors * cfg.drafter.block_size  # the anchor slot predicts too
-    plain = workload_from_config(load_config(["tiny-demo"], [f"data.max_anchors={cfg.data.max_anchors}", "drafter.block_size=4"]))
+    plain = workload_from_config(
+        load_config(["tiny-demo"], [f"data.max_anchors={cfg.data.max_anchors}", "drafter.block_size=4"])
+    )
     ws, ws0 = (sum(F.loss_workspace(x, spec.vocab_size, spec.hidden_size, 64).values()) for x in (w, plain))
     assert ws > ws0
 
@@ -198,7 +216,9 @@ def test_speculate_cli_with_a_confidence_threshold_reports_target_tokens_saved(s
         out = tmp_path / f"spec-{c}.jsonl"
         run = subprocess.run(
             [*base, "--output", str(out), "--max-new-tokens", "24", "--confidence-threshold", c],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert run.returncode == 0, run.stderr
         reports[c] = json.loads(out.with_name(out.name + ".report.json").read_text())["modes"]["chain"]
@@ -206,3 +226,58 @@ def test_speculate_cli_with_a_confidence_threshold_reports_target_tokens_saved(s
     assert reports["0"]["target_tokens_saved"] == 0
     assert reports["0.9"]["target_tokens_saved"] > 0
     assert reports["0.9"]["drafts_per_round"] < reports["0"]["drafts_per_round"]
+
+
+def test_conditioned_tree_holds_the_most_probable_prefixes():
+    """build_conditioned_tree against brute force on a random Markov chain (children depend on the
+    parent's token), and equal to build_tree when they do not."""
+    import itertools
+
+    from dflash_trainer.inference.ddtree import build_conditioned_tree, build_tree
+
+    g = torch.Generator().manual_seed(0)
+    v, depth, budget = 5, 3, 12
+    first = torch.log_softmax(torch.randn(v, generator=g, dtype=torch.float64), -1)
+    trans = torch.log_softmax(torch.randn(depth, v, v, generator=g, dtype=torch.float64), -1)  # [depth, prev, next]
+    tree = build_conditioned_tree((first, None), lambda tok, state, d: (trans[d][tok], None), depth, budget)
+    scores = {}
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(v), repeat=d):
+            lp = first[path[0]] + sum(trans[j + 1][path[j]][path[j + 1]] for j in range(d - 1))
+            scores[path] = float(lp)
+    best = sorted(scores.values(), reverse=True)[:budget]
+    assert sorted(tree.logprobs, reverse=True) == pytest.approx(best)
+    for i in range(len(tree)):  # every node's recorded log-probability is its path's
+        path, j = [], i
+        while j >= 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        assert scores[tuple(reversed(path))] == pytest.approx(tree.logprobs[i])
+    marg = torch.log_softmax(torch.randn(depth, v, generator=g, dtype=torch.float64), -1)
+    plain = build_tree(marg, budget)
+    same = build_conditioned_tree((marg[0], None), lambda tok, state, d: (marg[d], None), depth, budget)
+    assert same.tokens == plain.tokens and same.parents == plain.parents
+
+
+def test_dspark_tree_extends_the_walk(small_run):
+    """The DDTree's rank-0 path is the Markov walk's greedy chain, and children follow their parent's token."""
+    from dflash_trainer.inference.ddtree import build_conditioned_tree
+
+    target = small_run["target"]
+    drafter = load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", target)[0]
+    v = variant_of(drafter.spec)
+    ids = small_run["rows"][0].input_ids
+    a = 30
+    feats = target.features(ids[:a], torch.arange(a), need_teacher=False).context
+    hidden = drafter.draft_block(int(ids[a]), a, drafter.context_cache(feats, torch.arange(a)))
+    _, drafts = v.propose(drafter, hidden, int(ids[a]))
+    tree = build_conditioned_tree(*v.tree_expansion(drafter, hidden, int(ids[a])), len(drafts), 64)
+    assert len(tree) == 64
+    node, followed = -1, 0
+    for tok in drafts:  # each node's best child is the walk's next draft given that node's token
+        kids = [i for i, p in enumerate(tree.parents) if p == node]
+        if not kids:
+            break
+        assert tree.tokens[min(kids)] == tok
+        node, followed = min(kids), followed + 1
+    assert followed >= 2

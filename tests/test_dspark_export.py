@@ -30,7 +30,9 @@ PARITY_ATOL = 1e-3
 def make_dspark_checkpoint(model, tok, root, name, **settings):
     target = TargetModel(model)
     cfg = DrafterConfig(num_layers=2, block_size=8, variant="dspark", dspark={"markov_rank": 16, **settings})
-    spec = DrafterSpec.from_target(model.config, cfg, num_features=len(target.layer_ids), mask_token_id=tok.mask_token_id)
+    spec = DrafterSpec.from_target(
+        model.config, cfg, num_features=len(target.layer_ids), mask_token_id=tok.mask_token_id
+    )
     torch.manual_seed(0)
     drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight)
     for p in drafter.parameters():
@@ -49,7 +51,9 @@ def our_block_logits(drafter, ids, feats, anchors):
     spec, variant = drafter.spec, variant_of(drafter.spec)
     b, shift = spec.block_size, variant.label_shift(spec)
     pos = torch.arange(ids.numel())
-    blocks = build_blocks(ids, pos, torch.ones_like(ids), anchors, block_size=b + shift, mask_token_id=spec.mask_token_id, gamma=1.0)
+    blocks = build_blocks(
+        ids, pos, torch.ones_like(ids), anchors, block_size=b + shift, mask_token_id=spec.mask_token_id, gamma=1.0
+    )
     masks = drafter.build_masks(blocks.anchors, blocks.doc_ids, doc_ids_from_positions(pos), "dense")
     with torch.no_grad():
         hidden = drafter(blocks.input_ids[:, :b], blocks.position_ids[:, :b], feats, pos, masks, "dense")
@@ -95,8 +99,18 @@ def test_speculators_dspark_computes_our_logits_and_confidence(setup, name):
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     run = subprocess.run(
-        [str(python), str(SCRIPT), str(out), str(root / f"in-{name}.safetensors"), str(root / f"out-{name}.safetensors")],
-        capture_output=True, text=True, timeout=900, env=env, cwd=root,
+        [
+            str(python),
+            str(SCRIPT),
+            str(out),
+            str(root / f"in-{name}.safetensors"),
+            str(root / f"out-{name}.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=root,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = load_file(str(root / f"out-{name}.safetensors"))

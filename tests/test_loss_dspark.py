@@ -128,8 +128,18 @@ def test_markov_bias_never_allocates_positions_by_vocab(compiled):
     per_row = dict(renyi_weight=0.5, dpard=True, block_ids=torch.arange(n) // 16) if compiled is False else {}
     with OpRecorder() as rec:
         loss, _ = fused_draft_loss(
-            hs, ht, w_head, labels, weights, kl_weight=0.5, cap_weight=0.1, chunk_size=256, compile=compiled,
-            bias_rows=e, bias_weight=w2, **per_row,
+            hs,
+            ht,
+            w_head,
+            labels,
+            weights,
+            kl_weight=0.5,
+            cap_weight=0.1,
+            chunk_size=256,
+            compile=compiled,
+            bias_rows=e,
+            bias_weight=w2,
+            **per_row,
         )
         loss.backward()
     assert rec.count("addmm") + rec.count("addmm_") >= n // 256  # the bias GEMM ran chunk by chunk

@@ -26,7 +26,8 @@ class DSparkSettings(VariantSettings):
 
     markov_rank: int = Field(256, ge=1, description="r of the Markov bias W2 @ W1[prev] (W1, W2: [V, r])")
     markov_head_type: Literal["vanilla", "gated", "rnn"] = Field(
-        "vanilla", description="vanilla: W2 W1[prev]; gated: sigmoid gate from [hidden, W1[prev]]; rnn: a state over the block"
+        "vanilla",
+        description="vanilla: W2 W1[prev]; gated: sigmoid gate from [hidden, W1[prev]]; rnn: a state over the block",
     )
     sample_from_anchor: bool = Field(
         True,

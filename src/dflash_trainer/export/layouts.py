@@ -27,7 +27,6 @@ DFlash2 (conv + candidate selector), extra tensors, and hooks this project canno
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path

@@ -35,8 +35,8 @@ from transformers import DynamicCache
 from ..data.blocks import sample_anchors
 from ..data.packing import doc_ids_from_positions
 from ..loss.logits import transform_logits
-from ..variants import block_span
 from ..model.drafter import DFlashDrafter
+from ..variants import block_span
 from .acceptance import MAX_LOGIT_ELEMENTS, EvalInputError, teacher_forced_blocks
 from .ddtree import build_tree
 from .sampling import SampledVerification, sampling_probs

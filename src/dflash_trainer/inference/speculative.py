@@ -31,8 +31,8 @@ import torch
 
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetModel
-from ..variants import variant_of
-from .ddtree import build_tree
+from ..variants import block_span, variant_of
+from .ddtree import build_conditioned_tree, build_tree
 from .sampling import GreedyVerification
 from .target_cache import TargetCache, root_to_leaf_paths
 
@@ -88,11 +88,24 @@ class SpeculativeDecoder:
         return [(torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)) for (k, v), (nk, nv) in zip(drafter_cache, new)]
 
     def _draft(self, anchor: int, anchor_pos: int, drafter_cache):
-        """One block's proposal: ``(log_probs [D, V], greedy drafts [D])`` from the drafter variant
+        """One block's proposal: ``(log_probs [D, V], greedy drafts [D], tree_of(budget) -> DraftTree)``
+        from the drafter variant
         (DFlash: slots 1..B-1 at once; DSpark: the Markov walk). Logits carry the target's logit scale /
         softcap, as in training, so DDTree ranks prefixes by the same probabilities."""
         hidden = self.drafter.draft_block(anchor, anchor_pos, drafter_cache)
-        return variant_of(self.drafter.spec).propose(self.drafter, hidden, anchor, **self.propose_options)
+        variant = variant_of(self.drafter.spec)
+        log_probs, drafts = variant.propose(self.drafter, hidden, anchor, **self.propose_options)
+        depth = block_span(self.drafter.spec) - 1
+
+        def tree_of(budget: int):
+            """The block's DDTree: children from the distribution conditioned on their parent's token
+            where the variant's drafts depend on each other (DSpark), else DFlash's independent slots."""
+            expansion = variant.tree_expansion(self.drafter, hidden, anchor)
+            if expansion is None:
+                return build_tree(log_probs, budget)
+            return build_conditioned_tree(*expansion, depth, budget)
+
+        return log_probs, drafts, tree_of
 
     @torch.no_grad()
     def generate(
@@ -116,16 +129,14 @@ class SpeculativeDecoder:
         anchor = policy.rows(logits[-1:])(0, [])
         result = DecodeResult(tokens=[anchor])
         while len(result.tokens) < max_new_tokens and anchor not in self.eos:
-            log_probs, drafts = self._draft(anchor, pos, drafter_cache)
+            log_probs, drafts, tree_of = self._draft(anchor, pos, drafter_cache)
             result.drafted.append(len(drafts))
             if mode == "chain":
                 accepted, bonus, feats = self._verify_chain(anchor, pos, drafts, cache, policy)
             elif cache.recurrent:
-                accepted, bonus, feats = self._verify_tree_paths(
-                    anchor, pos, build_tree(log_probs, budget), cache, policy
-                )
+                accepted, bonus, feats = self._verify_tree_paths(anchor, pos, tree_of(budget), cache, policy)
             else:
-                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache, policy)
+                accepted, bonus, feats = self._verify_tree(anchor, pos, tree_of(budget), cache, policy)
             drafter_cache = self._extend_context(drafter_cache, feats, pos)
             result.accepted.append(len(accepted))
             result.anchors.append(pos)

@@ -671,7 +671,9 @@ def _run_chunks(
             _chain_to_raw(g, z_idx, t)
             dh_cap[keep[rows.start + idx]] = g.to(weight.dtype).matmul(weight).to(f)
             if de_cap is not None:  # the entropy's gradient reaches the Markov bias too
-                cap_bias = ChunkBias(bias_rows[rows.start + idx], bias_weight, torch.empty_like(de_chunk[: idx.numel()]), dw2_cap)
+                cap_bias = ChunkBias(
+                    bias_rows[rows.start + idx], bias_weight, torch.empty_like(de_chunk[: idx.numel()]), dw2_cap
+                )
                 cap_bias.backward(g)
                 de_cap[keep[rows.start + idx]] = cap_bias.de
             g = z_idx = None
@@ -1063,7 +1065,9 @@ def fused_draft_loss(
     _check("teacher_hidden", not per_row or ht is not None, "given for acceptance, Renyi or D-PARD", None)
     _check("block_ids", not dpard or (block_ids is not None and block_ids.shape == (n,)), f"[{n}] with dpard", None)
     if bias_rows is not None or bias_weight is not None:
-        _check("bias_rows", bias_rows is not None and bias_rows.dim() == 2 and bias_rows.shape[0] == n, f"[{n}, r]", None)
+        _check(
+            "bias_rows", bias_rows is not None and bias_rows.dim() == 2 and bias_rows.shape[0] == n, f"[{n}, r]", None
+        )
         r = bias_rows.shape[1]
         _check("bias_weight", bias_weight is not None and bias_weight.shape == (vocab, r), f"[{vocab}, {r}]", None)
         _check("bias_rows.dtype", bias_rows.dtype == hs.dtype == bias_weight.dtype, f"{hs.dtype}", bias_rows.dtype)

@@ -16,7 +16,6 @@ objects (parameter counts, loss buffers) and with allocator measurements of real
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from .shapes import TargetShape

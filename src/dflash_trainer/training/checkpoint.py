@@ -14,7 +14,6 @@ checkpoint against the target it is used with and names every mismatch in one er
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import sys
@@ -29,8 +28,8 @@ from ..config import RunConfig, dump_config
 from ..errors import UserError
 from ..io import atomic_folder, sha256_file
 from ..model.drafter import DFlashDrafter, DrafterSpec
-from ..variants import make_drafter
 from ..model.target import head_logit_options
+from ..variants import make_drafter
 
 WEIGHTS = "drafter.safetensors"
 CONFIG = "drafter_config.json"

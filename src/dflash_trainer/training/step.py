@@ -156,5 +156,11 @@ def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, refe
     )
     with phase("loss"):
         return variant_of(drafter.spec).loss(
-            drafter, hidden, teacher, head, batch, {"terms": terms, "chunk_size": cfg.loss.chunk_size}, reference=reference
+            drafter,
+            hidden,
+            teacher,
+            head,
+            batch,
+            {"terms": terms, "chunk_size": cfg.loss.chunk_size},
+            reference=reference,
         )

@@ -39,8 +39,8 @@ from ..errors import UserError
 from ..inference.acceptance import EvalInputError, acceptance_report
 from ..io import atomic_write
 from ..model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
-from ..variants import make_drafter
 from ..model.target import TargetModel
+from ..variants import make_drafter
 from .checkpoint import (
     config_changes,
     load_training_state,

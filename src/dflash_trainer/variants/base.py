@@ -37,7 +37,14 @@ class Variant:
 
     def planner_terms(self, options: dict) -> dict:
         """The planner's ``Workload`` fields of this variant (``planner.formulas.Workload``)."""
-        return {"variant": self.name, "variant_options": tuple(sorted(options.items()))}
+        return {
+            "variant": self.name,
+            "variant_options": tuple(sorted(options.items())),
+            "label_shift": 0,
+            "bias_rank": 0,
+            "per_row_terms": False,
+            "variant_teacher": self.needs_teacher(options),
+        }
 
     def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
         """One line saying why ``fmt`` cannot hold this variant's drafter, or None."""
@@ -58,9 +65,23 @@ class Variant:
         if reference:
             return reference_draft_loss(hidden, teacher, head, batch.labels, weights, **loss_kwargs["terms"])
         return fused_draft_loss(
-            hidden, teacher, head, batch.labels, weights, slot_ids=batch.slots, **loss_kwargs["terms"],
-            num_slots=drafter.spec.block_size, chunk_size=loss_kwargs["chunk_size"],
+            hidden,
+            teacher,
+            head,
+            batch.labels,
+            weights,
+            slot_ids=batch.slots,
+            **loss_kwargs["terms"],
+            num_slots=drafter.spec.block_size,
+            chunk_size=loss_kwargs["chunk_size"],
         )
+
+    def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
+        """For drafts that depend on earlier drafts: ``(root, expand)`` with ``root = (log_probs [V], state)``
+        of depth 1 and ``expand(token, state, depth) -> (log_probs [V], state)`` of a node's children
+        (``inference.ddtree.build_conditioned_tree``). None (DFlash): the slots are independent and the
+        tree is the best prefixes under the product of ``propose``'s per-slot log-probabilities."""
+        return None
 
     def draft_logits(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor):
         """Teacher-forced raw head logits ``[g, D, V]`` of the draft slots of blocks ``hidden`` ``[g, B, H]``

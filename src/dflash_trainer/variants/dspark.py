@@ -187,8 +187,15 @@ class DSparkVariant(Variant):
             loss, metrics = reference_draft_loss(hidden, teacher, head, batch.labels, weights, **terms)
         else:
             loss, metrics = fused_draft_loss(
-                hidden, teacher, head, batch.labels, weights, slot_ids=batch.slots, num_slots=b,
-                chunk_size=loss_kwargs["chunk_size"], **terms,
+                hidden,
+                teacher,
+                head,
+                batch.labels,
+                weights,
+                slot_ids=batch.slots,
+                num_slots=b,
+                chunk_size=loss_kwargs["chunk_size"],
+                **terms,
             )
         if conf is not None:
             # BCE against the measured acceptance, detached, on the fixed slot weights (as speculators:
@@ -256,6 +263,36 @@ class DSparkVariant(Variant):
                 confs.append(torch.sigmoid(drafter.confidence_head(torch.cat([h, emb], -1) if with_markov else h)))
         conf = torch.stack(confs, 1) if confs else None
         return torch.stack(logits, 1), torch.stack(seq[1:], 1), conf
+
+    @torch.no_grad()
+    def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
+        """DDTree children from the distribution conditioned on the node's own token: depth j's draft is
+        slot ``j - shift``'s head logits plus the Markov bias of the token at depth j - 1 (the anchor at
+        depth 1); the rnn head's state follows the node's path."""
+        spec, head, w_head = drafter.spec, drafter.markov_head, drafter.lm_head_weight
+        shift = self.label_shift(spec)
+
+        def step(k: int, prev: int, state):
+            emb = head.markov_w1.weight[prev]
+            h = hidden[k].to(emb.dtype)
+            if head.head_type == "vanilla":
+                feat = emb
+            elif head.head_type == "gated":
+                feat = torch.sigmoid(head.gate_proj(torch.cat([h, emb]))) * emb
+            else:
+                feat, state = head._rnn_step(state, emb, h)
+            raw = hidden[k].to(w_head.dtype) @ w_head.T + (head.markov_w2.weight @ feat).to(w_head.dtype)
+            return torch.log_softmax(transform_logits(raw.float(), **spec.logit_options), dim=-1), state
+
+        state = hidden.new_zeros(head.rank, dtype=head.markov_w1.weight.dtype)
+        if shift == 0:  # slot 0 drafts nothing; it only advances the rnn state (prev = the anchor)
+            _, state = step(0, anchor, state)
+        root = step(1 - shift, anchor, state)
+
+        def expand(token: int, state, depth: int):
+            return step(depth + 1 - shift, token, state)  # the children of a node at ``depth``
+
+        return root, expand
 
     @torch.no_grad()
     def propose(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int, confidence_threshold: float = 0.0):
