@@ -58,7 +58,7 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         raise UserError("data.train_files is empty: pass --set data.train_files=[path/to/data.jsonl]")
     expand_paths(cfg.data.train_files + cfg.data.eval_files)
     config, tokenizer, _ = load_target_config(cfg.target.path)
-    request = request_for(cfg.data, tokenizer, config.vocab_size, min_tokens=cfg.drafter.block_size + 1)
+    request = request_for(cfg.data, tokenizer, config.vocab_size, min_tokens=cfg.drafter.block_span + 1)
     if args.out:
         out = Path(args.out)
         if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):

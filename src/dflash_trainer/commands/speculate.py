@@ -33,6 +33,7 @@ def run_speculate(args: argparse.Namespace) -> int:
     from ..inference.sampling import verification_policy
     from ..inference.speculative import SpeculativeDecoder, target_greedy, target_sample
     from ..model.loading import load_target_model
+    from ..variants import block_span
 
     cfg = resolve_config(args)
     budgets = args.budget or [64]
@@ -67,10 +68,18 @@ def run_speculate(args: argparse.Namespace) -> int:
             break
     if not prompts:
         raise UserError("no prompts: the input has no chat record with an assistant turn")
-    decoder = SpeculativeDecoder(target, drafter, eos)
+    if args.confidence_threshold < 0 or args.confidence_threshold > 1:
+        raise UserError(f"--confidence-threshold must be in [0, 1], got {args.confidence_threshold}")
+    options = {}
+    if args.confidence_threshold > 0:
+        if not hasattr(drafter, "confidence_head"):
+            raise UserError(f"--confidence-threshold needs a drafter with a confidence head; {args.drafter} has none")
+        options["confidence_threshold"] = args.confidence_threshold
+    decoder = SpeculativeDecoder(target, drafter, eos, **options)
+    max_drafts = block_span(drafter.spec) - 1
     modes = [("chain", None)] if args.mode == "chain" else [("ddtree", b) for b in budgets]
     totals = {
-        name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "mismatches": 0}
+        name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "mismatches": 0, "drafted": 0}
         for name in ["target"] + [m if b is None else f"{m}-{b}" for m, b in modes]
     }
     outputs = []
@@ -91,6 +100,7 @@ def run_speculate(args: argparse.Namespace) -> int:
             t["seconds"] += res.seconds
             t["rounds"] += len(res.accepted)
             t["accepted"] += sum(a + 1 for a in res.accepted)
+            t["drafted"] += sum(res.drafted)
             t["mismatches"] += int(res.tokens != ref)
             record[f"{name}_tau"] = res.tau
             if sampling:
@@ -118,10 +128,15 @@ def run_speculate(args: argparse.Namespace) -> int:
             "speedup": rate / base_rate,
             # sampled outputs are compared in distribution (tests), not token for token
             "mismatches": None if sampling else t["mismatches"],
+            "drafts_per_round": t["drafted"] / max(1, t["rounds"]),
         }
+        if name == "chain":  # the drafts a block stopped early by the confidence head did not send to the target
+            s_ = summary["modes"][name]
+            s_["target_tokens_saved"] = t["rounds"] * max_drafts - t["drafted"]
         s = summary["modes"][name]
         agreement = "" if sampling else f", outputs differing from target greedy: {t['mismatches']}"
-        print(f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x{agreement}")
+        saved = f", target tokens saved: {s['target_tokens_saved']}" if "target_tokens_saved" in s else ""
+        print(f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x{agreement}{saved}")
     out = Path(args.output)
     atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in outputs))
     report = atomic_write_json(out.with_name(out.name + ".report.json"), summary)
@@ -184,5 +199,13 @@ def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling with T > 0 (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default 0)")
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=0.0,
+        metavar="C",
+        help="DSpark: stop a block's chain where the confidence head's cumulative predicted acceptance falls "
+        "below C (0, the default: off); the report counts the target tokens saved",
+    )
     p.set_defaults(func=run_speculate)
     return p

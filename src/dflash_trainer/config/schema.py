@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..errors import UserError
 from .gpus import gpu_memory
+from .variants import DSparkSettings, VariantSettings
 
 TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny target
 
@@ -53,6 +54,10 @@ class TargetConfig(Section):
 class DrafterConfig(Section):
     """The DFlash drafter: a few Qwen3-style decoder layers with KV injection of target features."""
 
+    variant: Literal["dflash", "dspark"] = Field(
+        "dflash", description="the drafter variant (variants/): dflash, or dspark (Markov and confidence heads)"
+    )
+    dspark: DSparkSettings = Field(default_factory=DSparkSettings, description="settings of variant dspark")
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2, description="B: anchor slot plus B-1 mask slots")
     intermediate_size: int | None = Field(
@@ -77,6 +82,17 @@ class DrafterConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="recompute each drafter layer in the backward pass instead of keeping its activations"
     )
+
+    @property
+    def variant_settings(self) -> VariantSettings:
+        """The settings section of ``variant`` (an empty one for DFlash, which has none)."""
+        return getattr(self, self.variant, None) or VariantSettings()
+
+    @property
+    def block_span(self) -> int:
+        """Tokens of the row one block covers: B, plus the variant's label shift (DSpark's
+        sample_from_anchor: the last slot predicts the token at anchor + B)."""
+        return self.block_size + self.variant_settings.label_shift
 
     @model_validator(mode="after")
     def _sliding_layers_in_range(self) -> DrafterConfig:
@@ -252,6 +268,6 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _anchors_fit_row(self) -> RunConfig:
-        if self.drafter.block_size > self.data.seq_len:
+        if self.drafter.block_span > self.data.seq_len:
             raise ValueError(f"drafter.block_size {self.drafter.block_size} exceeds data.seq_len {self.data.seq_len}")
         return self

@@ -43,6 +43,7 @@ from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.loading import resolve_target_path
 from ..training.checkpoint import WEIGHTS as CKPT_WEIGHTS
 from ..training.checkpoint import checkpoint_spec, read_checkpoint_config
+from ..variants import variant_of
 from .layouts import EXPORT_INFO, MODEL_WEIGHTS, foreign_folder_problems, load_drafter_folder, read_drafter_folder
 from .semantics import FORMATS, SEMANTICS, mismatches
 
@@ -160,6 +161,10 @@ def export_checkpoint(
         raise UserError(f"unknown export format {fmt!r}: use 'zlab' or 'speculators'")
     meta = read_checkpoint_config(checkpoint)
     spec = checkpoint_spec(meta)
+    variant = variant_of(spec)
+    refusal = variant.export_refusal(fmt, spec)
+    if refusal:
+        raise UserError(f"cannot export as {fmt}: {refusal}")
     target = meta["target"]
     scale = _scale(target_model, target)
     found = mismatches(
@@ -223,6 +228,7 @@ def export_checkpoint(
                 "verifier": {"name_or_path": verifier_name, "architectures": target["architectures"]},
             },
         }
+        config = variant.speculators_config(config, spec)  # DSpark: its model type, heads and draft length
         files = {}
         tensors = {**state, "embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()}
     if differs:

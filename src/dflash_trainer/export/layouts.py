@@ -27,7 +27,6 @@ DFlash2 (conv + candidate selector), extra tensors, and hooks this project canno
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,7 +270,7 @@ def folder_meta(d: DrafterFolder) -> dict:
     """The folder in the shape of a checkpoint's metadata (``drafter_config.json``), for eval and speculate."""
     return {
         "format": d.fmt,
-        "spec": dataclasses.asdict(d.spec),
+        "spec": d.spec.to_dict(),
         "target": {
             "layer_ids": list(d.layer_ids),
             "num_layers": None if d.num_target_layers < 0 else d.num_target_layers,

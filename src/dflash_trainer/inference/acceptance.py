@@ -29,6 +29,7 @@ from ..data.packing import doc_ids_from_positions
 from ..errors import UserError
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
+from ..variants import variant_of
 from .ddtree import accepted_in_tree, build_tree
 
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512)
@@ -67,9 +68,11 @@ def teacher_forced_blocks(
     head logits of slots 1..B-1 and the target's greedy token for each slot. Each chunk holds at most
     ``max_logit_elements`` logits (never ``[L x V]``); the drafter runs with ``attention_backend``."""
     b = drafter.spec.block_size
+    variant = variant_of(drafter.spec)
+    span = b + variant.label_shift(drafter.spec)  # D = span - 1 draft slots (DFlash: B - 1; DSpark: B)
     head = drafter.lm_head_weight  # [V, H]
     dev, vocab = head.device, head.shape[0]
-    per_chunk = max(1, max_logit_elements // ((b - 1) * vocab))
+    per_chunk = max(1, max_logit_elements // ((span - 1) * vocab))
     # Anchors and blocks are index bookkeeping, done on the CPU.
     ids, pos, loss_mask = row.input_ids.cpu(), row.position_ids.cpu(), row.loss_mask.cpu()
     doc = doc_ids_from_positions(pos)
@@ -78,15 +81,22 @@ def teacher_forced_blocks(
         part = anchors[start : start + per_chunk]
         g = part.numel()
         blocks = build_blocks(
-            ids, pos, loss_mask, part, block_size=b, mask_token_id=drafter.spec.mask_token_id, gamma=1.0
+            ids, pos, loss_mask, part, block_size=span, mask_token_id=drafter.spec.mask_token_id, gamma=1.0
         )  # gamma only weights the loss; acceptance ignores it
         masks = drafter.build_masks(blocks.anchors.to(dev), blocks.doc_ids.to(dev), doc.to(dev), attention_backend)
         hidden = drafter(
-            blocks.input_ids.to(dev), blocks.position_ids.to(dev), feats.context, pos.to(dev), masks, attention_backend
+            blocks.input_ids[:, :b].to(dev),
+            blocks.position_ids[:, :b].to(dev),
+            feats.context,
+            pos.to(dev),
+            masks,
+            attention_backend,
         ).view(g, b, -1)  # [g, B, H]
-        draft_logits = hidden[:, 1:].to(head.dtype) @ head.T  # [g, B-1, V]
-        teacher_index = blocks.teacher_index[:, 1:].to(dev)  # [g, B-1]: anchor + k - 1
-        greedy = (feats.last_hidden[teacher_index].to(head.dtype) @ head.T).argmax(-1)  # [g, B-1]
+        teacher_index = blocks.teacher_index[:, 1:].to(dev)  # [g, D]: the row before each draft's token
+        greedy = (feats.last_hidden[teacher_index].to(head.dtype) @ head.T).argmax(-1)  # [g, D]
+        # [g, D, V]; a variant whose drafts depend on earlier drafts (DSpark's Markov walk) conditions
+        # them on the greedy tokens: exact for the chain, which stops at the first mismatch anyway.
+        draft_logits = variant.draft_logits(drafter, hidden, blocks.input_ids[:, 0].to(dev), greedy)
         yield draft_logits, greedy
         del draft_logits, hidden
 
@@ -127,6 +137,7 @@ def acceptance_report(
     if not rows:
         raise EvalInputError("no evaluation rows: the data set is empty")
     b = drafter.spec.block_size
+    span = b + variant_of(drafter.spec).label_shift(drafter.spec)  # D = span - 1 drafts per block
     gen = torch.Generator().manual_seed(seed)
     accepted_parts, match_parts, tree_parts = [], [], []
     rows_used = rows_empty = 0
@@ -135,7 +146,7 @@ def acceptance_report(
     try:
         for row in rows:
             doc = doc_ids_from_positions(row.position_ids.cpu())
-            anchors = sample_anchors(row.loss_mask.cpu(), doc, b, max_blocks_per_row, gen)
+            anchors = sample_anchors(row.loss_mask.cpu(), doc, span, max_blocks_per_row, gen)
             if anchors.numel() == 0:
                 rows_empty += 1
                 continue
@@ -163,14 +174,14 @@ def acceptance_report(
         drafter.train(was_training)
     if not accepted_parts:
         raise EvalInputError(
-            f"no valid block of {b} tokens in {len(rows)} evaluation rows (an anchor needs "
-            f"loss_mask 1 and {b - 1} more tokens of the same document)"
+            f"no valid block of {span} tokens in {len(rows)} evaluation rows (an anchor needs "
+            f"loss_mask 1 and {span - 1} more tokens of the same document)"
         )
     accepted = torch.cat(accepted_parts)  # [N]
     match = torch.cat(match_parts).double()  # [N, B-1]
     total = accepted.numel()
-    reach_counts = [(accepted >= k).sum().item() for k in range(b)]  # reach_counts[0] == N
-    conditional = [reach_counts[k] / reach_counts[k - 1] if reach_counts[k - 1] else None for k in range(1, b)]
+    reach_counts = [(accepted >= k).sum().item() for k in range(span)]  # reach_counts[0] == N
+    conditional = [reach_counts[k] / reach_counts[k - 1] if reach_counts[k - 1] else None for k in range(1, span)]
     report = {
         "block_size": b,
         "blocks": total,
@@ -180,7 +191,7 @@ def acceptance_report(
         "slot_acceptance": match.mean(0).tolist(),
         "conditional_acceptance": conditional,
         "reach": [c / total for c in reach_counts[1:]],
-        "accepted_histogram": torch.bincount(accepted, minlength=b).tolist(),
+        "accepted_histogram": torch.bincount(accepted, minlength=span).tolist(),
         "budgets": budgets,
         "ddtree_tau": (torch.tensor(tree_parts, dtype=torch.float64) + 1).mean(0).tolist() if budgets else [],
     }
@@ -210,14 +221,14 @@ def decode_path_acceptance(
     ``tau = mean(a + 1)`` over the visited anchors. On the target's own greedy responses this is the
     tau that speculative decoding measures (tested against it).
     """
-    b = drafter.spec.block_size
+    span = drafter.spec.block_size + variant_of(drafter.spec).label_shift(drafter.spec)
     was_training = drafter.training
     drafter.eval()
     visited = []
     try:
         for row in rows:
             doc = doc_ids_from_positions(row.position_ids.cpu())
-            anchors = valid_anchor_positions(row.loss_mask.cpu(), doc, b)
+            anchors = valid_anchor_positions(row.loss_mask.cpu(), doc, span)
             if anchors.numel() == 0:
                 continue
             counts = []

@@ -73,6 +73,44 @@ def build_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
     return tree
 
 
+def build_conditioned_tree(root, expand, depth_max: int, budget: int) -> DraftTree:
+    """The ``budget`` most probable prefixes when a slot's distribution depends on the drafts before
+    it (DSpark's Markov head): ``root = (log_probs [V], state)`` of depth 1, ``expand(token, state,
+    depth) -> (log_probs [V], state)`` the children's distribution of a node at ``depth`` with that
+    token. Conditional probabilities are at most 1, so a prefix is never more probable than its
+    parent and best-first order still yields a tree; each node added costs one ``expand``."""
+    if budget < 1:
+        raise ValueError(f"DDTree budget must be >= 1, got {budget}")
+    tree = DraftTree([], [], [], [])
+    lists = {}  # parent node -> (top log-probs, top tokens, state after the parent's step)
+
+    def top(entry):
+        lp, state = entry
+        k = min(budget, lp.shape[0])
+        values, tokens = lp.double().topk(k)
+        return values.tolist(), tokens.tolist(), state
+
+    lists[-1] = top(root)
+    heap = [(-lists[-1][0][0], 0, -1, 0, 0.0, 1)]  # (-logprob, counter, parent, rank, parent logprob, depth)
+    counter = 1
+    while heap and len(tree) < budget:
+        neg, _, parent, rank, parent_lp, depth = heapq.heappop(heap)
+        lps, toks, state = lists[parent]
+        node = len(tree)
+        tree.tokens.append(toks[rank])
+        tree.depths.append(depth)
+        tree.parents.append(parent)
+        tree.logprobs.append(-neg)
+        if rank + 1 < len(lps):  # next sibling
+            heapq.heappush(heap, (-(parent_lp + lps[rank + 1]), counter, parent, rank + 1, parent_lp, depth))
+            counter += 1
+        if depth < depth_max:  # first child, from the distribution conditioned on this node's token
+            lists[node] = top(expand(toks[rank], state, depth))
+            heapq.heappush(heap, (-(-neg + lists[node][0][0]), counter, node, 0, -neg, depth + 1))
+            counter += 1
+    return tree
+
+
 def accepted_in_tree(tree: DraftTree, greedy: list[int]) -> int:
     """Length of the longest prefix of the target's greedy tokens ``greedy`` (slots 1..) in ``tree``."""
     children = tree.children()

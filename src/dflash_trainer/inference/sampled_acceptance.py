@@ -36,6 +36,7 @@ from ..data.blocks import sample_anchors
 from ..data.packing import doc_ids_from_positions
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
+from ..variants import block_span
 from .acceptance import MAX_LOGIT_ELEMENTS, EvalInputError, teacher_forced_blocks
 from .ddtree import build_tree
 from .sampling import SampledVerification, sampling_probs
@@ -69,7 +70,7 @@ def block_expectations(
         chain       [n]                E[accepted] of the chain = sum_k prod_{j<=k} slot_probs
         ddtree      [n, len(budgets)]  E[accepted] of the DDTree of each budget
     """
-    b = drafter.spec.block_size
+    b = block_span(drafter.spec)  # D = b - 1 drafts a block (DSpark's sample_from_anchor: B)
     budgets = list(budgets)
     max_budget = max(budgets, default=0)
     # 1. drafts: the chain (argmax per slot) and the largest tree of each block, in anchor order
@@ -207,7 +208,7 @@ def expected_sampled_acceptance(
         blocks
     """
     _check_sampling(temperature, top_p)
-    b = drafter.spec.block_size
+    b = block_span(drafter.spec)  # D = b - 1 drafts a block (DSpark's sample_from_anchor: B)
     gen = torch.Generator().manual_seed(seed)
     parts = []
     was_training = drafter.training

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetModel
-from .ddtree import build_tree
+from ..variants import block_span, variant_of
+from .ddtree import build_conditioned_tree, build_tree
 from .sampling import GreedyVerification
 from .target_cache import TargetCache, root_to_leaf_paths
 
@@ -42,6 +42,7 @@ class DecodeResult:
     tokens: list[int]  # generated tokens (eos included when reached)
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round
     anchors: list[int] = field(default_factory=list)  # anchor position of each round
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per round (the chain's length)
     seconds: float = 0.0
 
     @property
@@ -52,8 +53,10 @@ class DecodeResult:
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with ``drafter`` (chain or DDTree verification), greedy or sampled."""
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter, eos_ids: list[int]):
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter, eos_ids: list[int], **propose_options):
+        """``propose_options``: keywords of the variant's ``propose`` (DSpark: ``confidence_threshold``)."""
         self.target, self.drafter, self.eos = target, drafter.eval(), set(eos_ids)
+        self.propose_options = propose_options
         self.model = target.model
         self._cache_kwarg = _forward_cache_kwarg(self.model)
         self.target_tokens = 0  # tokens the target has run (prompt, verifications, replays): the cost
@@ -84,12 +87,25 @@ class SpeculativeDecoder:
             return new
         return [(torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)) for (k, v), (nk, nv) in zip(drafter_cache, new)]
 
-    def _draft_log_probs(self, anchor: int, anchor_pos: int, drafter_cache) -> torch.Tensor:
-        """``[B-1, V]`` log-probabilities of draft slots 1..B-1 for one block."""
+    def _draft(self, anchor: int, anchor_pos: int, drafter_cache):
+        """One block's proposal: ``(log_probs [D, V], greedy drafts [D], tree_of(budget) -> DraftTree)``
+        from the drafter variant
+        (DFlash: slots 1..B-1 at once; DSpark: the Markov walk). Logits carry the target's logit scale /
+        softcap, as in training, so DDTree ranks prefixes by the same probabilities."""
         hidden = self.drafter.draft_block(anchor, anchor_pos, drafter_cache)
-        # the target's logit scale / softcap, as in training, so DDTree ranks prefixes by the same probabilities
-        logits = transform_logits(self.drafter.block_logits(hidden[1:]).float(), **self.drafter.spec.logit_options)
-        return torch.log_softmax(logits, dim=-1)
+        variant = variant_of(self.drafter.spec)
+        log_probs, drafts = variant.propose(self.drafter, hidden, anchor, **self.propose_options)
+        depth = block_span(self.drafter.spec) - 1
+
+        def tree_of(budget: int):
+            """The block's DDTree: children from the distribution conditioned on their parent's token
+            where the variant's drafts depend on each other (DSpark), else DFlash's independent slots."""
+            expansion = variant.tree_expansion(self.drafter, hidden, anchor)
+            if expansion is None:
+                return build_tree(log_probs, budget)
+            return build_conditioned_tree(*expansion, depth, budget)
+
+        return log_probs, drafts, tree_of
 
     @torch.no_grad()
     def generate(
@@ -113,15 +129,14 @@ class SpeculativeDecoder:
         anchor = policy.rows(logits[-1:])(0, [])
         result = DecodeResult(tokens=[anchor])
         while len(result.tokens) < max_new_tokens and anchor not in self.eos:
-            log_probs = self._draft_log_probs(anchor, pos, drafter_cache)
+            log_probs, drafts, tree_of = self._draft(anchor, pos, drafter_cache)
+            result.drafted.append(len(drafts))
             if mode == "chain":
-                accepted, bonus, feats = self._verify_chain(anchor, pos, log_probs.argmax(-1).tolist(), cache, policy)
+                accepted, bonus, feats = self._verify_chain(anchor, pos, drafts, cache, policy)
             elif cache.recurrent:
-                accepted, bonus, feats = self._verify_tree_paths(
-                    anchor, pos, build_tree(log_probs, budget), cache, policy
-                )
+                accepted, bonus, feats = self._verify_tree_paths(anchor, pos, tree_of(budget), cache, policy)
             else:
-                accepted, bonus, feats = self._verify_tree(anchor, pos, build_tree(log_probs, budget), cache, policy)
+                accepted, bonus, feats = self._verify_tree(anchor, pos, tree_of(budget), cache, policy)
             drafter_cache = self._extend_context(drafter_cache, feats, pos)
             result.accepted.append(len(accepted))
             result.anchors.append(pos)

@@ -71,6 +71,45 @@ class LossTerms:
     label_source: str = "data"  # "data" or "teacher"
     logit_scale: float = 1.0
     softcap: float | None = None
+    # DSpark's terms (``fused_draft_loss``'s docstring): per-row acceptance a = sum_v min(p_v, q_v),
+    # the Renyi-1/2 actor -2 log sum_v sqrt(p_v q_v) and the D-PARD credit weights.
+    renyi_weight: float = 0.0
+    acceptance: bool = False
+    dpard: bool = False
+    dpard_alpha: float = 0.5
+
+    @property
+    def per_row_terms(self) -> bool:
+        """Whether the chunk computes a and the Renyi term (student and teacher at T = 1)."""
+        return self.acceptance or self.renyi_weight > 0 or self.dpard
+
+
+@dataclass
+class ChunkBias:
+    """The Markov bias of one chunk, a rank-r term of the same logits: ``z = h W^T + e W2^T``.
+
+    ``e`` ``[c, r]`` bias features (head dtype), ``w2`` ``[V, r]`` (head dtype); ``de`` ``[c, r]`` receives
+    ``G @ W2`` and ``dw2`` ``[V, r]`` accumulates ``G^T @ e`` over the chunks (compute dtype)."""
+
+    e: torch.Tensor
+    w2: torch.Tensor
+    de: torch.Tensor | None = None
+    dw2: torch.Tensor | None = None
+
+    def add_to(self, z_raw: torch.Tensor) -> None:
+        """``z_raw += e @ W2^T`` in place (the raw logits, before the target's transform)."""
+        if z_raw.dtype == self.w2.dtype:
+            z_raw.addmm_(self.e, self.w2.T)
+        else:
+            z_raw.add_(self.e @ self.w2.T)
+
+    def backward(self, g: torch.Tensor) -> None:
+        """``de = G @ W2``, ``dw2 += G^T @ e`` for the chunk's gradient ``G`` ``[c, V]`` w.r.t. raw logits."""
+        if self.de is None:
+            return
+        gw = g.to(self.w2.dtype)
+        self.de.copy_(gw @ self.w2)
+        self.dw2.add_((gw.T @ self.e).to(self.dw2.dtype))
 
 
 def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | None) -> int:
@@ -90,17 +129,23 @@ def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | Non
 
 
 def _logits(
-    h: torch.Tensor | None, weight: torch.Tensor, t: LossTerms, out: torch.Tensor | None
+    h: torch.Tensor | None, weight: torch.Tensor, t: LossTerms, out: torch.Tensor | None, bias: ChunkBias | None = None
 ) -> torch.Tensor | None:
-    """``[c, H] -> [c, V]`` logits in ``out``'s dtype (fp32/fp64), scaled and soft-capped in place.
+    """``[c, H] -> [c, V]`` logits in ``out``'s dtype (fp32/fp64), scaled and soft-capped in place;
+    ``bias`` adds the Markov term to the raw logits first (the same GEMM pass, never ``[N, V]``).
 
     ``out`` is a reused workspace buffer: fresh multi-MB allocations per chunk would page-fault."""
     if h is None:
         return None
     if weight.dtype == out.dtype:
         z = torch.mm(h, weight.T, out=out)
+        if bias is not None:
+            bias.add_to(z)
     else:  # the GEMM runs in the head's dtype (bf16); logits are upcast per chunk
-        z = out.copy_(h @ weight.T)
+        raw = h @ weight.T
+        if bias is not None:
+            bias.add_to(raw)
+        z = out.copy_(raw)
     if t.logit_scale != 1.0:
         z.mul_(t.logit_scale)
     if t.softcap:
@@ -119,17 +164,22 @@ def _chain_to_raw(g: torch.Tensor, z: torch.Tensor, t: LossTerms) -> torch.Tenso
     return g
 
 
-def _eager_chunk(hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows):
+def _eager_chunk(
+    hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows, bias=None, credit=None, extra=None
+):
     """One chunk in separate eager passes over fp32 (fp64) ``[c, V]`` buffers; writes ``G @ W`` into ``dh_rows``.
 
     Returns ``(lse, z_y, s_arg, t_arg, entropy, kl, logits_of)``, all ``[c]`` but ``logits_of``, which
     gives the transformed logits of some rows (valid until the next chunk). Live ``[c, V]`` buffers:
     student logits ``zs``, student probabilities ``p`` (turned into the gradient in place), teacher
     logits (turned into ``q`` in place), the tempered student log-probabilities when T != 1, and one
-    transient (logsumexp / entropy reductions).
+    transient (logsumexp / entropy reductions). DSpark's per-row terms (``t.per_row_terms``) add one
+    buffer ``r`` (teacher probabilities, then sqrt(p q), then the Renyi gradient) and one transient;
+    ``credit`` turns the chunk's acceptance ``[c]`` into its rows' coefficients (D-PARD), and
+    ``extra`` (a dict) receives ``accept``, ``renyi`` and ``coef`` ``[c]``.
     """
     a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
-    zs = _logits(hs_rows, weight, t, buffers["zs"])  # [c, V]
+    zs = _logits(hs_rows, weight, t, buffers["zs"], bias)  # [c, V]
     m_s, s_arg = zs.max(-1)  # one pass gives the shift for a stable softmax and the argmax
     p = torch.sub(zs, m_s[:, None], out=buffers["p"]).exp_()
     sum_s = p.sum(-1)
@@ -140,6 +190,21 @@ def _eager_chunk(hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, 
     if zt is not None:
         m_t, t_arg = zt.max(-1)
     y = t_arg if t.label_source == "teacher" else y_data
+    renyi_g = None
+    if t.per_row_terms:  # at T = 1, before the KL pass turns zt into q^T in place
+        pt = torch.sub(zt, m_t[:, None], out=buffers["r"]).exp_()
+        pt.mul_(pt.sum(-1).reciprocal()[:, None])  # teacher probabilities
+        accept = torch.minimum(p, pt).sum(-1)  # a = sum_v min(p_v, q_v)
+        bc = pt.mul_(p).sqrt_().sum(-1)  # Bhattacharyya coefficient sum_v sqrt(p_v q_v)
+        if credit is not None:
+            coef = credit(accept)
+        extra.update(accept=accept, renyi=-2.0 * bc.log(), coef=coef)
+        if t.renyi_weight > 0 and dh_rows is not None:
+            # d(-2 log BC)/dz_v = p_v - sqrt(p_v q_v) / BC, weighted like the other terms
+            renyi_g = pt.mul_(bc.reciprocal()[:, None]).neg_().add_(p).mul_((t.renyi_weight * coef)[:, None])
+        pt = None
+    elif extra is not None:
+        extra.update(coef=coef)
     if a == 0:
         zt = None  # the teacher logits were only needed for labels and agreement
     z_y = zs.gather(1, y[:, None]).squeeze(1)
@@ -183,31 +248,44 @@ def _eager_chunk(hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, 
                 pt_minus_q = log_pt.exp_().sub_(q)
                 p.addcmul_(pt_minus_q, coef[:, None], value=a * temp)
         p.scatter_add_(1, y[:, None], (-(1 - a) * coef)[:, None])
-        q = log_pt = pt_minus_q = None
+        if renyi_g is not None:
+            p.add_(renyi_g)
+        q = log_pt = pt_minus_q = renyi_g = None
         _chain_to_raw(p, zs, t)
         if weight.dtype == dh_rows.dtype:
             torch.mm(p, weight, out=dh_rows)
         else:
             dh_rows.copy_(p.to(weight.dtype).matmul(weight))
+        if bias is not None:
+            bias.backward(p)
     return lse, z_y, s_arg, t_arg, entropy, kl, lambda idx: zs[idx]
 
 
-def _kernel_chunk(epilogue, hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows):
-    """One chunk with a kernel for the element-wise work: the logit GEMMs in the head's dtype, then
-    ``epilogue`` (``_native_epilogue`` or ``_inductor_epilogue``: row terms, G in the head's dtype),
-    then ``G @ W``. Same returns as ``_eager_chunk``; None if the epilogue failed to compile (the caller
-    then runs the eager passes)."""
+def _kernel_chunk(
+    epilogue, hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows, bias=None, credit=None, extra=None
+):
+    """One chunk with a kernel for the element-wise work: the logit GEMMs in the head's dtype (the
+    Markov ``bias`` added to the raw student logits), then ``epilogue`` (``_native_epilogue`` or
+    ``_inductor_epilogue``: row terms, G in the head's dtype), then ``G @ W`` (and the bias's
+    gradients). Same returns as ``_eager_chunk``; None if the epilogue failed to compile (the caller
+    then runs the eager passes). DSpark's per-row terms run in the eager passes (``_loss_forward``)."""
     zs_raw = torch.mm(hs_rows, weight.T, out=buffers["zs"])  # [c, V] untransformed
+    if bias is not None:
+        bias.add_to(zs_raw)
     zt_raw = torch.mm(ht_rows, weight.T, out=buffers["zt"]) if ht_rows is not None else None
     g = buffers["g"] if dh_rows is not None else None
     out = epilogue(zs_raw, zt_raw, y_data, coef, g, t)
     if out is None:
         return None
+    if extra is not None:
+        extra.update(coef=coef)
     if g is not None:
         if weight.dtype == dh_rows.dtype:
             torch.mm(g, weight, out=dh_rows)
         else:
             dh_rows.copy_(torch.mm(g, weight, out=buffers["dh"][: g.shape[0]]))
+        if bias is not None:
+            bias.backward(g)
 
     def logits_of(idx):
         return _transformed(zs_raw[idx].to(coef.dtype), t)
@@ -483,29 +561,36 @@ def _run_chunks(
     compiled,
     keep,
     rows_in,
+    bias_rows=None,
+    bias_weight=None,
+    block_ids=None,
 ):
     """The chunk loop. Inputs ``[n, ...]`` are already compacted to the rows with weight > 0; ``keep``
     ``[n]`` says where each of them sits among the ``rows_in`` (N) rows of the call.
 
-    Returns ``(loss, stats, dh)`` where ``stats`` is ``[num_slots or 1, 7]`` float64 sums of
-    (rows, ce, kl, entropy of correct rows, correct, agreement, label probability) and ``dh``
-    ``[N, H]`` is the gradient of the loss w.r.t. the uncompacted student rows, zero at weight-0 rows
-    (None unless ``want_grad``). ``compiled`` is the chunk epilogue kernel to use (``EPILOGUES``;
-    None: the eager passes of ``_eager_chunk``).
+    Returns ``(loss, stats, dh, extras)`` where ``stats`` is ``[num_slots or 1, 9]`` float64 sums of
+    (rows, ce, kl, entropy of correct rows, correct, agreement, label probability, acceptance, Renyi)
+    and ``dh`` ``[N, H]`` is the gradient of the loss w.r.t. the uncompacted student rows, zero at
+    weight-0 rows (None unless ``want_grad``). ``compiled`` is the chunk epilogue kernel to use
+    (``EPILOGUES``; None: the eager passes of ``_eager_chunk``). ``bias_rows`` ``[n, r]`` and
+    ``bias_weight`` ``[V, r]`` are the Markov bias (``ChunkBias``); ``block_ids`` ``[n]`` (D-PARD) keeps
+    every block inside one chunk. ``extras``: ``accept`` ``[N]`` (with per-row terms), ``dbias_rows``
+    ``[N, r]`` and ``dbias_weight`` ``[V, r]`` (with a bias and ``want_grad``), else None.
     """
     n, hidden = hs.shape
     f = torch.promote_types(hs.dtype, torch.float32)
     a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
     inv_wsum = 1.0 / weights.double().sum().item()
     dev = hs.device
-    stats = torch.zeros(num_slots or 1, 7, dtype=torch.float64, device=dev)
+    stats = torch.zeros(num_slots or 1, STATS_COLUMNS, dtype=torch.float64, device=dev)
     # dh spans all N rows, so that the op around this loop has outputs of static shape (which rows are
     # kept is data); each chunk's G @ W goes to dh_chunk, then to its rows of dh.
     dh = torch.zeros(rows_in, hidden, dtype=f, device=dev) if want_grad else None
     dh_cap = torch.zeros(rows_in, hidden, dtype=f, device=dev) if (want_grad and t.cap_weight > 0) else None
     loss_main = torch.zeros((), dtype=torch.float64, device=dev)
     cap_sum, n_correct = torch.zeros((), dtype=torch.float64, device=dev), 0
-    c_max, vocab = min(chunk, n), weight.shape[0]
+    bounds = _chunk_bounds(n, chunk, block_ids)
+    c_max, vocab = max(b.stop - b.start for b in bounds), weight.shape[0]
 
     def chunk_buffers(for_compiled: bool) -> dict[str, torch.Tensor]:
         if for_compiled:  # raw GEMM outputs, G and G @ W, all in the head's dtype: the kernel upcasts as it reads
@@ -514,36 +599,62 @@ def _run_chunks(
             dtype = weight.dtype
         else:
             needed = (("zs", vocab, True), ("p", vocab, True), ("zt", vocab, ht is not None), ("q", vocab, a > 0))
+            needed += (("r", vocab, t.per_row_terms),)
             dtype = f
         return {name: torch.empty(c_max, cols, dtype=dtype, device=dev) for name, cols, need in needed if need}
 
     buffers = chunk_buffers(compiled is not None)
     dh_chunk = torch.empty(c_max, hidden, dtype=f, device=dev) if want_grad else None
+    rank = bias_rows.shape[1] if bias_rows is not None else 0
+    de_chunk = torch.empty(c_max, rank, dtype=f, device=dev) if (want_grad and rank) else None
+    de = torch.zeros(rows_in, rank, dtype=f, device=dev) if de_chunk is not None else None
+    dw2 = torch.zeros(vocab, rank, dtype=f, device=dev) if de_chunk is not None else None
+    de_cap = torch.zeros(rows_in, rank, dtype=f, device=dev) if (de is not None and dh_cap is not None) else None
+    dw2_cap = torch.zeros(vocab, rank, dtype=f, device=dev) if de_cap is not None else None
+    accept_rows = torch.zeros(rows_in, dtype=f, device=dev) if t.per_row_terms else None
+    inv_rows = 1.0 / n  # D-PARD: sum_t W_t l_t / (rows with loss), as speculators normalizes its credit
 
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
+    for rows in bounds:
         c = rows.stop - rows.start
         w = weights[rows].to(f)
         coef = w * inv_wsum  # [c] each row's share of the weighted mean
         y_data = labels[rows] if t.label_source == "data" else None
         ht_rows = ht[rows] if ht is not None else None
         dh_rows = dh_chunk[:c] if want_grad else None
+        bias = None
+        if rank:
+            de_rows = de_chunk[:c] if de_chunk is not None else None
+            bias = ChunkBias(bias_rows[rows], bias_weight, de_rows, dw2)
+        credit = None
+        if t.dpard:
+            credit = _dpard_credit(block_ids[rows], t.dpard_alpha, inv_rows)
+        extra = {}
         args = (hs[rows], ht_rows, weight, y_data, coef, t, {k: b[:c] for k, b in buffers.items()}, dh_rows)
-        out = _kernel_chunk(compiled, *args) if compiled is not None else None
+        out = _kernel_chunk(compiled, *args, bias, credit, extra) if compiled is not None else None
         if out is None:  # the eager passes; from here on also where the kernel failed to compile
             if compiled is not None:
                 compiled, buffers = None, chunk_buffers(False)
                 args = (*args[:6], {k: b[:c] for k, b in buffers.items()}, dh_rows)
-            out = _eager_chunk(*args)
+            out = _eager_chunk(*args, bias, credit, extra)
         lse, z_y, s_arg, t_arg, entropy, kl, logits_of = out
+        coef = extra["coef"]
         if dh is not None:
             dh.index_copy_(0, keep[rows], dh_rows)
+        if de is not None:
+            de.index_copy_(0, keep[rows], de_rows)
         y = t_arg if t.label_source == "teacher" else y_data
         ce = lse - z_y
         correct = s_arg == y
         cap_sum += entropy[correct].double().sum()
         n_correct += int(correct.sum())
-        loss_main += (w * ((1 - a) * ce + a * temp**2 * kl)).double().sum() * inv_wsum
+        row_loss = (1 - a) * ce + a * temp**2 * kl
+        renyi = extra.get("renyi")
+        if t.renyi_weight > 0:
+            row_loss = row_loss + t.renyi_weight * renyi
+        loss_main += (coef * row_loss).double().sum()
+        accept = extra.get("accept")
+        if accept_rows is not None:
+            accept_rows.index_copy_(0, keep[rows], accept)
 
         if dh_cap is not None and correct.any():
             # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
@@ -558,7 +669,13 @@ def _run_chunks(
             g.add_(entropy[idx, None]).mul_(pc).mul_(-1.0 / tc)
             pc = None
             _chain_to_raw(g, z_idx, t)
-            dh_cap[keep[start + idx]] = g.to(weight.dtype).matmul(weight).to(f)
+            dh_cap[keep[rows.start + idx]] = g.to(weight.dtype).matmul(weight).to(f)
+            if de_cap is not None:  # the entropy's gradient reaches the Markov bias too
+                cap_bias = ChunkBias(
+                    bias_rows[rows.start + idx], bias_weight, torch.empty_like(de_chunk[: idx.numel()]), dw2_cap
+                )
+                cap_bias.backward(g)
+                de_cap[keep[rows.start + idx]] = cap_bias.de
             g = z_idx = None
 
         # Statistics, per slot when slot ids are given.
@@ -573,6 +690,8 @@ def _run_chunks(
                 correct.to(f),
                 agree.to(f),
                 torch.exp(z_y - lse),
+                accept if accept is not None else torch.zeros_like(ce),
+                renyi if renyi is not None else torch.zeros_like(ce),
             ],
             1,
         ).double()
@@ -582,7 +701,58 @@ def _run_chunks(
     loss = loss_main + t.cap_weight * cap
     if dh_cap is not None and n_correct:
         dh.add_(dh_cap, alpha=t.cap_weight / n_correct)
-    return loss, stats, dh
+        if de_cap is not None:
+            de.add_(de_cap, alpha=t.cap_weight / n_correct)
+            dw2.add_(dw2_cap, alpha=t.cap_weight / n_correct)
+    extras = {"accept": accept_rows, "dbias_rows": de, "dbias_weight": dw2}
+    return loss, stats, dh, extras
+
+
+def _chunk_bounds(n: int, chunk: int, block_ids: torch.Tensor | None) -> list[slice]:
+    """Row ranges of at most ``chunk`` rows; with ``block_ids`` ``[n]`` (rows of one block are
+    contiguous) a range ends at a block boundary, so that a block's D-PARD credit is computed in one
+    chunk. A block longer than ``chunk`` gets a chunk of its own."""
+    if block_ids is None:
+        return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    ids = block_ids.tolist()
+    out, start = [], 0
+    while start < n:
+        end = min(start + chunk, n)
+        if end < n and ids[end] == ids[end - 1]:
+            back = end - 1
+            while back > start and ids[back - 1] == ids[end]:
+                back -= 1
+            if back > start:
+                end = back
+            else:  # one block wider than a chunk: take all of it
+                while end < n and ids[end] == ids[end - 1]:
+                    end += 1
+        out.append(slice(start, end))
+        start = end
+    return out
+
+
+def _dpard_credit(block_ids: torch.Tensor, alpha: float, inv_rows: float):
+    """``accept [c] -> coef [c]``: the D-PARD credit of each row, detached, over whole blocks.
+
+    ``s_i = alpha + (1 - alpha) a_i``; a row t of a block gets ``W_t = sum_{k >= t} prod_{i <= k} s_i``
+    (i, k over the block's rows with loss, in slot order), times ``inv_rows``."""
+
+    new_block = torch.ones_like(block_ids, dtype=torch.bool)
+    new_block[1:] = block_ids[1:] != block_ids[:-1]
+    starts = new_block.nonzero().squeeze(1).tolist() + [block_ids.numel()]
+
+    def credit(accept: torch.Tensor) -> torch.Tensor:
+        s = alpha + (1.0 - alpha) * accept
+        out = torch.empty_like(s)
+        for lo, hi in zip(starts[:-1], starts[1:]):  # a chunk holds a few whole blocks
+            out[lo:hi] = torch.cumprod(s[lo:hi], 0).flip(0).cumsum(0).flip(0)
+        return out * inv_rows
+
+    return credit
+
+
+STATS_COLUMNS = 9
 
 
 # The loss as torch.library custom ops: opaque to torch.compile (no graph break: dynamo records one
@@ -610,23 +780,54 @@ def _loss_forward(
     chunk: int,
     policy: str,
     want_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss [], stats [max(num_slots, 1), 7] float64, dh [N, H] or [0, H])`` of ``hs`` ``[N, H]``.
+    bias_rows: torch.Tensor | None = None,
+    bias_weight: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    renyi_weight: float = 0.0,
+    acceptance: bool = False,
+    dpard: bool = False,
+    dpard_alpha: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], stats [max(num_slots, 1), 9] float64, dh [N, H] or [0, H], accept [N] or [0],
+    dbias_rows [N, r] or [0, r], dbias_weight [V, r] or [0, r])`` of ``hs`` ``[N, H]``.
 
     ``num_slots`` 0: no slots; ``policy`` is ``fused_draft_loss``'s ``compile`` as a string ("auto",
     "native", "inductor", "true", "false"); ``dh`` (fp32, fp64 for fp64 inputs) is d loss / d hs, zero
-    at weight-0 rows, when ``want_grad``. The value checks that need the data run here."""
+    at weight-0 rows, when ``want_grad``; likewise the Markov bias's gradients. ``accept`` is the
+    per-row acceptance (0 at weight-0 rows) when DSpark's per-row terms are on. The value checks that
+    need the data run here."""
     n, hidden = hs.shape
     f = torch.promote_types(hs.dtype, torch.float32)
+    rank = bias_rows.shape[1] if bias_rows is not None else 0
     _check_values(weights, labels, slot_ids, num_slots, weight.shape[0], label_source)
-    terms = LossTerms(kl_weight, temperature, cap_weight, cap_temperature, label_source, logit_scale, softcap)
+    terms = LossTerms(
+        kl_weight,
+        temperature,
+        cap_weight,
+        cap_temperature,
+        label_source,
+        logit_scale,
+        softcap,
+        renyi_weight,
+        acceptance,
+        dpard,
+        dpard_alpha,
+    )
     keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
+    grad_rows = n if (want_grad and rank) else 0
     if keep.numel() == 0:
         dh = torch.zeros(n if want_grad else 0, hidden, dtype=f, device=hs.device)
-        return hs.new_zeros((), dtype=f), hs.new_zeros(max(num_slots, 1), 7, dtype=torch.float64), dh
+        stats = hs.new_zeros(max(num_slots, 1), STATS_COLUMNS, dtype=torch.float64)
+        accept = hs.new_zeros(n if terms.per_row_terms else 0, dtype=f)
+        de = hs.new_zeros(grad_rows, rank, dtype=f)
+        dw2 = hs.new_zeros(weight.shape[0] if grad_rows else 0, rank, dtype=f)
+        return hs.new_zeros((), dtype=f), stats, dh, accept, de, dw2
     compile = {"true": True, "false": False}.get(policy, policy)
-    compiled = EPILOGUES[epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0])]
-    loss, stats, dh = _run_chunks(
+    # DSpark's per-row terms (acceptance, Renyi, D-PARD) are computed in the eager passes of the chunk;
+    # the kernels compute the DFlash terms (with or without the Markov bias, which is in the GEMM).
+    kind = "eager" if terms.per_row_terms else epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0])
+    compiled = EPILOGUES[kind]
+    loss, stats, dh, extras = _run_chunks(
         hs.index_select(0, keep),
         ht.index_select(0, keep) if ht is not None else None,
         weight,
@@ -640,22 +841,38 @@ def _loss_forward(
         compiled,
         keep,
         n,
+        bias_rows.index_select(0, keep) if rank else None,
+        bias_weight if rank else None,
+        block_ids.index_select(0, keep) if (dpard and block_ids is not None) else None,
     )
     if dh is None:
         dh = torch.empty(0, hidden, dtype=f, device=hs.device)
-    return loss.to(f), stats, dh
+    accept = extras["accept"] if extras["accept"] is not None else hs.new_zeros(0, dtype=f)
+    de = extras["dbias_rows"] if extras["dbias_rows"] is not None else hs.new_zeros(0, rank, dtype=f)
+    dw2 = extras["dbias_weight"] if extras["dbias_weight"] is not None else hs.new_zeros(0, rank, dtype=f)
+    return loss.to(f), stats, dh, accept, de, dw2
 
 
 fused_draft_loss_op = torch.library.custom_op(f"{OP_NAMESPACE}::fused_draft_loss", _loss_forward, mutates_args=())
 
 
 @fused_draft_loss_op.register_fake
-def _(hs, ht, weight, labels, weights, slot_ids, num_slots, *terms_chunk_policy_want_grad):
+def _(hs, ht, weight, labels, weights, slot_ids, num_slots, *rest):
     """Shapes and dtypes only (meta and fake tensors: tracing, torch.compile, memory traces)."""
-    want_grad = terms_chunk_policy_want_grad[-1]
+    want_grad, bias_rows = rest[9], (rest[10] if len(rest) > 10 else None)
+    per_row = (len(rest) > 13 and rest[13] > 0) or (len(rest) > 14 and rest[14]) or (len(rest) > 15 and rest[15])
     f = torch.promote_types(hs.dtype, torch.float32)
-    stats = hs.new_empty(max(num_slots, 1), 7, dtype=torch.float64)
-    return hs.new_empty((), dtype=f), stats, hs.new_empty(hs.shape[0] if want_grad else 0, hs.shape[1], dtype=f)
+    n, rank = hs.shape[0], (bias_rows.shape[1] if bias_rows is not None else 0)
+    grad_rows = n if (want_grad and rank) else 0
+    stats = hs.new_empty(max(num_slots, 1), STATS_COLUMNS, dtype=torch.float64)
+    return (
+        hs.new_empty((), dtype=f),
+        stats,
+        hs.new_empty(n if want_grad else 0, hs.shape[1], dtype=f),
+        hs.new_empty(n if per_row else 0, dtype=f),
+        hs.new_empty(grad_rows, rank, dtype=f),
+        hs.new_empty(weight.shape[0] if grad_rows else 0, rank, dtype=f),
+    )
 
 
 def _loss_backward(dh: torch.Tensor, grad_loss: torch.Tensor, hs_dtype: torch.dtype) -> torch.Tensor:
@@ -675,13 +892,20 @@ def _(dh, grad_loss, hs_dtype):
 
 def _setup_context(ctx, inputs, output):
     ctx.hs_dtype = inputs[0].dtype
-    ctx.save_for_backward(output[2])
-    ctx.mark_non_differentiable(output[1], output[2])
+    bias_rows, bias_weight = (inputs[17], inputs[18]) if len(inputs) > 18 else (None, None)
+    ctx.bias_dtypes = (bias_rows.dtype, bias_weight.dtype) if bias_rows is not None else None
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(output[2], output[4], output[5])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, grad_loss, _grad_stats, _grad_dh):
-    (dh,) = ctx.saved_tensors
-    return (fused_draft_loss_backward_op(dh, grad_loss, ctx.hs_dtype),) + (None,) * 16
+def _backward(ctx, grad_loss, *_grad_outputs):
+    dh, de, dw2 = ctx.saved_tensors
+    grads = [fused_draft_loss_backward_op(dh, grad_loss, ctx.hs_dtype)] + [None] * (ctx.num_inputs - 1)
+    if ctx.bias_dtypes is not None and de.shape[0]:  # the Markov bias: features and W2
+        grads[17] = fused_draft_loss_backward_op(de, grad_loss, ctx.bias_dtypes[0])
+        grads[18] = fused_draft_loss_backward_op(dw2, grad_loss, ctx.bias_dtypes[1])
+    return tuple(grads)
 
 
 fused_draft_loss_op.register_autograd(_backward, setup_context=_setup_context)
@@ -742,6 +966,13 @@ def fused_draft_loss(
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     compile: bool | str = "auto",
+    bias_rows: torch.Tensor | None = None,
+    bias_weight: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    renyi_weight: float = 0.0,
+    acceptance: bool = False,
+    dpard: bool = False,
+    dpard_alpha: float = 0.5,
 ) -> tuple[torch.Tensor, dict]:
     """The draft loss of ``student_hidden`` against ``teacher_hidden`` through the frozen head.
 
@@ -760,6 +991,22 @@ def fused_draft_loss(
     (``torch.compile``), True (the device's kernel), or as separate eager passes (False); "auto" (the
     default) chooses, see ``epilogue_kind``. All give the same results (tested in float64); a kernel
     that cannot be built falls back to another implementation with one warning.
+
+    DSpark (``variants/dspark.py``), all off by default:
+
+    - ``bias_rows`` ``[N, r]`` and ``bias_weight`` ``[V, r]`` (same dtype as the head): the Markov
+      logit bias, ``z_i = h_i W^T + e_i W2^T``, a rank-r term added to each chunk's raw logits in the
+      same GEMM pass (never ``[N, V]``); both receive gradients (``W2``'s accumulated chunk by chunk).
+    - ``acceptance``: the per-row acceptance ``a_i = sum_v min(p_v, q_v)`` of the student p and the
+      teacher q at T = 1, returned detached as ``metrics["accept_rows"]`` ``[N]`` (0 at weight-0 rows).
+    - ``renyi_weight`` beta: adds ``beta * (-2 log sum_v sqrt(p_v q_v))`` (Renyi divergence of order
+      1/2, Bhattacharyya form) to each row's loss, weighted like the other terms.
+    - ``dpard`` (needs ``block_ids`` ``[N]``, a block's rows contiguous in slot order): the rows'
+      weights become the detached D-PARD credit ``W_t = sum_{k>=t} prod_{i<=k} s_i``,
+      ``s_i = dpard_alpha + (1 - dpard_alpha) a_i`` over the block's rows with weight > 0, and the
+      loss is ``sum_t W_t l_t / (rows with weight > 0)`` (speculators' normalization).
+
+    These per-row terms need the teacher and run in the eager passes of each chunk.
     """
     hs, ht, w_head = student_hidden, teacher_hidden, lm_head_weight
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))
@@ -812,8 +1059,20 @@ def fused_draft_loss(
         "'auto', True, False, 'native', 'triton' or 'inductor'",
         repr(compile),
     )
+    per_row = acceptance or renyi_weight > 0 or dpard
+    _check("renyi_weight", renyi_weight >= 0, ">= 0", renyi_weight)
+    _check("dpard_alpha", 0.0 < dpard_alpha <= 1.0, "in (0, 1]", dpard_alpha)
+    _check("teacher_hidden", not per_row or ht is not None, "given for acceptance, Renyi or D-PARD", None)
+    _check("block_ids", not dpard or (block_ids is not None and block_ids.shape == (n,)), f"[{n}] with dpard", None)
+    if bias_rows is not None or bias_weight is not None:
+        _check(
+            "bias_rows", bias_rows is not None and bias_rows.dim() == 2 and bias_rows.shape[0] == n, f"[{n}, r]", None
+        )
+        r = bias_rows.shape[1]
+        _check("bias_weight", bias_weight is not None and bias_weight.shape == (vocab, r), f"[{vocab}, {r}]", None)
+        _check("bias_rows.dtype", bias_rows.dtype == hs.dtype == bias_weight.dtype, f"{hs.dtype}", bias_rows.dtype)
     policy = ("true" if compile else "false") if isinstance(compile, bool) else compile
-    loss, stats, _ = fused_draft_loss_op(
+    loss, stats, _, accept, _, _ = fused_draft_loss_op(
         hs,
         ht,
         w_head.detach(),
@@ -830,15 +1089,25 @@ def fused_draft_loss(
         softcap,
         chunk_rows(vocab, chunk_size, memory_budget),
         policy,
-        torch.is_grad_enabled() and hs.requires_grad,  # no_grad / inference: no gradient work at all
+        torch.is_grad_enabled() and (hs.requires_grad or (bias_rows is not None and bias_rows.requires_grad)),
+        bias_rows,
+        bias_weight,
+        block_ids.long() if block_ids is not None else None,
+        renyi_weight,
+        acceptance,
+        dpard,
+        dpard_alpha,
     )
-    return loss, _metrics(stats, ht is not None, slot_ids is not None)
+    metrics = _metrics(stats, ht is not None, slot_ids is not None, per_row)
+    if per_row:
+        metrics["accept_rows"] = accept
+    return loss, metrics
 
 
-_COLUMNS = ("rows", "ce", "kl", "entropy", "correct", "agreement", "label_prob")
+_COLUMNS = ("rows", "ce", "kl", "entropy", "correct", "agreement", "label_prob", "accept", "renyi")
 
 
-def _metrics(stats: torch.Tensor, has_teacher: bool, per_slot: bool) -> dict:
+def _metrics(stats: torch.Tensor, has_teacher: bool, per_slot: bool, per_row: bool = False) -> dict:
     def summarize(s: torch.Tensor) -> dict[str, torch.Tensor]:
         rows = s[..., 0].clamp(min=1)
         out = {
@@ -852,6 +1121,9 @@ def _metrics(stats: torch.Tensor, has_teacher: bool, per_slot: bool) -> dict:
         }
         if has_teacher:
             out["agreement"] = s[..., 5] / rows
+        if per_row:
+            out["accept"] = s[..., 7] / rows
+            out["renyi"] = s[..., 8] / rows
         return out
 
     metrics = summarize(stats.sum(0))

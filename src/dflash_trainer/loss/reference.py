@@ -5,6 +5,10 @@ benchmarks. Math (shared/DESIGN.md section 3), with z = logits after the target'
 
     L   = sum_i w_i [ (1-a) CE(p_i, y_i) + a T^2 KL(q_i^T || p_i^T) ] / sum_i w_i  +  lambda * CAP
     CAP = mean over rows (w_i > 0) whose student argmax equals y_i of the entropy of softmax(z_i / Tc)
+
+DSpark (``fused_draft_loss``'s docstring): z_i += e_i W2^T (the Markov bias), a_i = sum_v min(p, q),
+the Renyi-1/2 term beta * (-2 log sum_v sqrt(p q)), and D-PARD credit weights W_t computed here with
+a plain loop over blocks.
 """
 
 from __future__ import annotations
@@ -29,12 +33,22 @@ def reference_draft_loss(
     label_source: str = "data",
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    bias_rows: torch.Tensor | None = None,  # [N, r]
+    bias_weight: torch.Tensor | None = None,  # [V, r]
+    block_ids: torch.Tensor | None = None,  # [N]
+    renyi_weight: float = 0.0,
+    acceptance: bool = False,
+    dpard: bool = False,
+    dpard_alpha: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns ``(loss, metrics)``; computed in float64 if the inputs are, else float32."""
     f = torch.promote_types(student_hidden.dtype, torch.float32)
     w_mat = lm_head_weight.to(f)
     keep = weights > 0
-    zs = transform_logits(student_hidden.to(f) @ w_mat.T, logit_scale, softcap)[keep]  # [n, V]
+    raw = student_hidden.to(f) @ w_mat.T
+    if bias_rows is not None:
+        raw = raw + bias_rows.to(f) @ bias_weight.to(f).T  # the full [N, V] bias: this is the reference
+    zs = transform_logits(raw, logit_scale, softcap)[keep]  # [n, V]
     w = weights[keep].to(f)
     y = labels[keep]
     zt = None
@@ -50,7 +64,29 @@ def reference_draft_loss(
         log_p = F.log_softmax(zs / temperature, -1)
         kl = (log_q.exp() * (log_q - log_p)).sum(-1)
         loss_rows = loss_rows + kl_weight * temperature**2 * kl
-    loss = (w * loss_rows).sum() / w.sum()
+    per_row = acceptance or renyi_weight > 0 or dpard
+    accept = None
+    if per_row:
+        p, q = F.softmax(zs, -1), F.softmax(zt, -1)
+        accept = torch.minimum(p, q).sum(-1).detach()
+        renyi = -2 * (p * q).sqrt().sum(-1).log()
+        if renyi_weight > 0:
+            loss_rows = loss_rows + renyi_weight * renyi
+    if dpard:
+        ids = block_ids[keep].tolist()
+        credit = torch.zeros_like(accept)
+        for i in range(len(ids)):  # W_t = sum over later rows k of its block of prod_{i <= k} s_i
+            for k in range(i, len(ids)):
+                if ids[k] != ids[i]:
+                    break
+                prod = 1.0
+                for j in range(k + 1):
+                    if ids[j] == ids[i]:
+                        prod = prod * (dpard_alpha + (1 - dpard_alpha) * accept[j])
+                credit[i] += prod
+        loss = (credit * loss_rows).sum() / len(ids)
+    else:
+        loss = (w * loss_rows).sum() / w.sum()
     correct = zs.argmax(-1) == y
     log_pc = F.log_softmax(zs / cap_temperature, -1)
     entropy = -(log_pc.exp() * log_pc).sum(-1)
@@ -65,4 +101,10 @@ def reference_draft_loss(
     }
     if zt is not None:
         metrics["agreement"] = (zs.argmax(-1) == zt.argmax(-1)).to(f).mean()
+    if per_row:
+        metrics["accept"] = accept.mean()
+        metrics["renyi"] = renyi.mean().detach()
+        rows = torch.zeros(weights.shape[0], dtype=f, device=weights.device)
+        rows[keep] = accept
+        metrics["accept_rows"] = rows
     return loss, metrics

@@ -12,6 +12,7 @@ keys a query sees is the attention mask's business (``model/attention.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,17 @@ class DrafterSpec:
     # it carries how the head's logits are post-processed too.
     logit_scale: float = 1.0
     logit_softcap: float | None = None
+    # The drafter variant (``variants/``) and its settings (``config/variants.py``, as a plain dict):
+    # DFlash has none, and a DFlash spec's JSON form leaves both out, as before variants existed.
+    variant: str = "dflash"
+    variant_options: dict = field(default_factory=dict, hash=False)
+
+    def to_dict(self) -> dict:
+        """The JSON form (checkpoints, exports); DFlash's is what it was before variants existed."""
+        d = dataclasses.asdict(self)
+        if self.variant == "dflash" and not self.variant_options:
+            del d["variant"], d["variant_options"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterSpec:
@@ -69,6 +81,8 @@ class DrafterSpec:
     def from_target(cls, target_config, drafter_cfg, *, num_features: int, mask_token_id: int) -> DrafterSpec:
         c = text_config(target_config)
         head = head_logit_options(c)
+        variant = getattr(drafter_cfg, "variant", "dflash")
+        settings = getattr(drafter_cfg, variant, None) if variant != "dflash" else None
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         return cls(
@@ -92,6 +106,8 @@ class DrafterSpec:
             activation_checkpointing=getattr(drafter_cfg, "activation_checkpointing", False),
             logit_scale=head["logit_scale"],
             logit_softcap=head["softcap"],
+            variant=variant,
+            variant_options=settings.model_dump() if settings is not None else {},
         )
 
     def layer_mask_spec(self, layer: int) -> MaskSpec:

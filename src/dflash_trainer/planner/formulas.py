@@ -15,6 +15,7 @@ objects (parameter counts, loss buffers) and with allocator measurements of real
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .shapes import TargetShape
@@ -49,6 +50,16 @@ class Workload:
     packed: bool = True  # rows hold several documents (the target's attention then needs a mask)
     prefetch: int = 2  # rows a target rank may run ahead of its drafter rank (topology.prefetch)
     drafter_intermediate: int | None = None  # drafter.intermediate_size; None = the target's width
+    # The drafter variant (variants/): its heads' parameters (``variant_head_params``), the loss rows
+    # it adds (label_shift: DSpark's anchor slot predicts), a Markov bias of this rank folded into the
+    # loss GEMM, per-row loss terms (acceptance, Renyi, D-PARD: the eager chunk passes) and whether
+    # its loss reads the teacher.
+    variant: str = "dflash"
+    label_shift: int = 0
+    bias_rank: int = 0
+    per_row_terms: bool = False
+    variant_teacher: bool = False
+    variant_options: tuple = ()  # the variant's settings as sorted (key, value) pairs
 
     @property
     def queries(self) -> int:
@@ -62,12 +73,12 @@ class Workload:
     def loss_rows(self) -> int:
         """Rows the fused loss keeps (weight > 0): every slot but the anchor slot of every block. An upper
         bound: slots whose token has loss_mask 0, and padding blocks, are dropped by the loss."""
-        return self.max_anchors * (self.block_size - 1)
+        return self.max_anchors * (self.block_size - 1 + self.label_shift)
 
     @property
     def need_teacher(self) -> bool:
-        """Mirrors ``row_forward``: teacher hidden states are needed for KL or teacher labels."""
-        return self.kl_weight > 0 or self.labels == "teacher"
+        """Mirrors ``row_forward``: teacher hidden states are needed for KL, teacher labels or the variant."""
+        return self.kl_weight > 0 or self.labels == "teacher" or self.variant_teacher
 
     @property
     def t(self) -> int:
@@ -134,6 +145,15 @@ def drafter_param_count(d: DrafterDims, num_layers: int, num_features: int) -> i
     """``DFlashDrafter``: ``fc`` (k*H -> H, no bias), ``hidden_norm``, the layers, ``norm``. The embedding
     and lm_head are the target's and are not drafter parameters."""
     return num_features * d.hidden * d.hidden + d.hidden + num_layers * drafter_layer_params(d) + d.hidden
+
+
+def variant_head_params(w: Workload, d: DrafterDims) -> tuple[int, int, int]:
+    """``(parameters, tensors, largest tensor)`` of the variant's heads (0s for DFlash)."""
+    from ..variants import variant_of
+
+    shapes = variant_of(w.variant).head_shapes(dict(w.variant_options), d.hidden, d.vocab)
+    sizes = [math.prod(shape) for shape in shapes]
+    return sum(sizes), len(sizes), max(sizes, default=0)
 
 
 def drafter_param_tensors(num_layers: int) -> int:
@@ -487,10 +507,16 @@ def loss_workspace(
         cap = nc * vocab * (2 * f + (t if t != f else 0))  # g = zs[idx], then exp / logsumexp, bf16 copy
     dh = w.queries * hidden * f * (2 if w.cap_weight > 0 else 1)
     dh_chunk = c * hidden * f
+    bias = {}
+    if w.bias_rank:  # d e [N, r] and d W2 [V, r] in fp32 (twice with CAP), the chunk's [c, r] G @ W2
+        r, twice = w.bias_rank, (2 if w.cap_weight > 0 else 1)
+        bias = {"markov bias gradients": twice * (w.queries + vocab) * r * f + c * r * f}
+    if w.per_row_terms:  # acceptance / Renyi / D-PARD run in the eager passes with one more buffer
+        kernel = False
     if kernel:
         buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0) + dh_chunk
-        return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap}
-    buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0)
+        return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap, **bias}
+    buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0) + (1 if w.per_row_terms else 0)
     gemm = cv * t if t != f else 0
     vecdot = cv * f
     temp = 0
@@ -499,8 +525,10 @@ def loss_workspace(
     if w.cap_temperature != 1.0:
         temp = max(temp, 2 * cv * f)
     grad_copy = cv * t if t != f else 0
+    if w.bias_rank and t != f:
+        gemm *= 2  # the bf16 GEMM output and the bias term added to it before the fp32 copy
     transient = max(gemm, vecdot, temp, grad_copy, cap)
-    return {"dh": dh, "chunk buffers": buffers * cv * f + dh_chunk, "chunk transient": transient}
+    return {"dh": dh, "chunk buffers": buffers * cv * f + dh_chunk, "chunk transient": transient, **bias}
 
 
 def loss_inputs_bytes(w: Workload, hidden: int) -> int:

@@ -180,8 +180,9 @@ def drafter_phases(
     dev = topo.device
     colocated = topo.target_gpus == 0 and not topo.offline
     L, Q, h = w.seq_len, w.queries, d.hidden
-    params = F.drafter_param_count(d, w.drafter_layers, w.num_features)
-    tensors = F.drafter_param_tensors(w.drafter_layers)
+    head_params, head_tensors, _ = F.variant_head_params(w, d)
+    params = F.drafter_param_count(d, w.drafter_layers, w.num_features) + head_params
+    tensors = F.drafter_param_tensors(w.drafter_layers) + head_tensors
     grads = 4 * params
     static = {
         "target weights" if colocated else "target embedding + lm_head (frozen)": F.target_weight_bytes(
@@ -301,7 +302,7 @@ def drafter_phases(
         best = stem_bwd
     phases["backward"] = best
 
-    largest = F.drafter_largest_param(d, w.num_features)
+    largest = max(F.drafter_largest_param(d, w.num_features), F.variant_head_params(w, d)[2])
     phases["optimizer"] = {
         **static,
         "gradients (fp32)": grads,
@@ -370,7 +371,7 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
     notes = dict(_NOTES)
     d = F.DrafterDims.of(s, w.drafter_intermediate)
     notes["drafter weights (fp32)"] = (
-        f"{F.drafter_param_count(d, w.drafter_layers, w.num_features) / 1e9:.2f} B parameters"
+        f"{(F.drafter_param_count(d, w.drafter_layers, w.num_features) + F.variant_head_params(w, d)[0]) / 1e9:.2f} B parameters"
     )
     notes["fused loss workspace"] = f"chunks of {min(chunk, w.loss_rows)} rows over {w.loss_rows:,} rows"
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))

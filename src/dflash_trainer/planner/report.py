@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import UserError
+from ..variants import variant_of
 from . import formulas as F
 from .plan import Plan, Topology, _target_layer_ids, make_plan
 from .shapes import GB, TARGET_PRESETS, TargetShape, gpu_memory, load_target_shape, target_param_count
@@ -23,6 +24,7 @@ from .throughput import DEFAULT_UTILIZATION, GPU_PEAKS, best_split, throughput
 def workload_from_config(cfg) -> F.Workload:
     """The planner's view of a ``RunConfig``."""
     d, lo, tr = cfg.drafter, cfg.loss, cfg.train
+    variant_terms = variant_of(d.variant).planner_terms(d.variant_settings.model_dump())
     return F.Workload(
         seq_len=cfg.data.seq_len,
         max_anchors=cfg.data.max_anchors,
@@ -45,7 +47,8 @@ def workload_from_config(cfg) -> F.Workload:
         chunk_size=lo.chunk_size,
         grad_accum=tr.grad_accum,
         activation_checkpointing=d.activation_checkpointing,
-        need_teacher_layers=lo.kl_weight > 0 or lo.labels == "teacher",
+        need_teacher_layers=lo.kl_weight > 0 or lo.labels == "teacher" or variant_terms["variant_teacher"],
+        **variant_terms,
     )
 
 
@@ -182,7 +185,7 @@ def _prepared_cache_rows(cfg) -> tuple[int | None, str]:
         from ..model.loading import load_target_config
 
         text_cfg, tokenizer, _ = load_target_config(cfg.target.path)
-        request = request_for(cfg.data, tokenizer, text_cfg.vocab_size, min_tokens=cfg.drafter.block_size + 1)
+        request = request_for(cfg.data, tokenizer, text_cfg.vocab_size, min_tokens=cfg.drafter.block_span + 1)
         root = Path(cfg.data.cache_dir or cache_root())  # as data.prepare.ensure_prepared finds it
         m = json.loads((root / request.key() / "manifest.json").read_text())
         return m["splits"]["train"]["rows"] + m["splits"]["eval"]["rows"], f"prepared data {root / request.key()}"

@@ -14,7 +14,6 @@ checkpoint against the target it is used with and names every mismatch in one er
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import sys
@@ -30,6 +29,7 @@ from ..errors import UserError
 from ..io import atomic_folder, sha256_file
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.target import head_logit_options
+from ..variants import make_drafter
 
 WEIGHTS = "drafter.safetensors"
 CONFIG = "drafter_config.json"
@@ -60,7 +60,7 @@ def _write_drafter_files(folder: Path, drafter: DFlashDrafter, meta: dict) -> No
 def _drafter_meta(drafter: DFlashDrafter, target, target_path: str | None, extra: dict | None) -> dict:
     return {
         "format": FORMAT,
-        "spec": dataclasses.asdict(drafter.spec),
+        "spec": drafter.spec.to_dict(),
         "target": {**target_summary(target), "path": target_path},
         **(extra or {}),
     }
@@ -356,6 +356,6 @@ def load_drafter(path: Path, target, dtype: torch.dtype = torch.float32) -> tupl
     meta = read_checkpoint_config(path)
     spec = checkpoint_spec(meta, target.config)
     check_against_target(spec, meta["target"]["layer_ids"], target, f"checkpoint {path}")
-    drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
+    drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight)
     drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS)))
     return drafter.to(dtype).eval(), meta

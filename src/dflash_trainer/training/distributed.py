@@ -396,7 +396,7 @@ class Receiver:
 
 def eval_feature_rows(rows: list[PackedRow], cfg: RunConfig) -> list[int]:
     """Indices of the held-out rows the evaluation runs the target on (those with a valid anchor)."""
-    return [i for i, row in enumerate(rows[: cfg.data.max_eval_rows]) if usable(row, cfg.drafter.block_size)]
+    return [i for i, row in enumerate(rows[: cfg.data.max_eval_rows]) if usable(row, cfg.drafter.block_span)]
 
 
 def _eval_message(row: PackedRow, feats: TargetFeatures) -> RowFeatures:
@@ -427,7 +427,7 @@ def run_target_rank(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     g_accum, t_ranks, d_ranks = cfg.train.grad_accum, layout.target_ranks, layout.drafter_ranks
-    plan = StepPlan(stream, num_rows, cfg.drafter.block_size, g_accum, start=rows_consumed)
+    plan = StepPlan(stream, num_rows, cfg.drafter.block_span, g_accum, start=rows_consumed)
     sender = Sender(layout, cfg.topology.prefetch, cfg.topology.timeout_s)
     eval_idx = eval_feature_rows(eval_rows, cfg) if layout.rank == 0 else []
     busy = 0.0
@@ -494,8 +494,8 @@ class DrafterFeed:
         rows_consumed: int,
     ):
         self.cfg, self.layout, self.device = cfg, layout, device
-        self.plan = StepPlan(stream, num_rows, cfg.drafter.block_size, cfg.train.grad_accum, start=rows_consumed)
-        self.receiver = Receiver(layout, cfg.drafter.block_size, device, cfg.topology.prefetch, cfg.topology.timeout_s)
+        self.plan = StepPlan(stream, num_rows, cfg.drafter.block_span, cfg.train.grad_accum, start=rows_consumed)
+        self.receiver = Receiver(layout, cfg.drafter.block_span, device, cfg.topology.prefetch, cfg.topology.timeout_s)
         self.eval_count = len(eval_feature_rows(eval_rows, cfg)) if layout.drafter_index == 0 else 0
         self.target_busy_us: dict[int, int] = {}  # target rank -> its busy time so far, as it last reported
         self.step = start_step

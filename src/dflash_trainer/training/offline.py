@@ -53,7 +53,7 @@ def cache_mismatches(cfg: RunConfig, store: FeatureStore, identity: dict, tokeni
             "the loss needs the teacher (soft KL or teacher labels) and the cache holds no last hidden states: "
             "capture with capture.teacher=true"
         )
-    request = request_for(cfg.data, tokenizer, identity["vocab_size"], min_tokens=cfg.drafter.block_size + 1)
+    request = request_for(cfg.data, tokenizer, identity["vocab_size"], min_tokens=cfg.drafter.block_span + 1)
     data = have["data"]
     with_inputs = bool(cfg.data.train_files)
     out += [f"other data: {p}" for p in setting_differences(data, request, with_inputs=with_inputs)]
@@ -105,7 +105,7 @@ class CachedFeed:
         self.cfg, self.store, self.stream, self.layout = cfg, store, stream, layout
         self.device, self.dtype = device, dtype
         self.rows = store.rows("train")
-        self.plan = StepPlan(stream, len(self.rows), cfg.drafter.block_size, cfg.train.grad_accum, start=rows_consumed)
+        self.plan = StepPlan(stream, len(self.rows), cfg.drafter.block_span, cfg.train.grad_accum, start=rows_consumed)
         self.read_s, self.bytes_read = 0.0, 0
 
     def take(self, g: int):
@@ -123,7 +123,7 @@ class CachedFeed:
         dev = self.device
         feats = TargetFeatures(feats.context.to(dev), feats.last_hidden.to(dev) if teacher else None)
         ids, pos, mask, anchors = (t.to(dev) for t in (row.input_ids, row.position_ids, row.loss_mask, anchors))
-        return select_row_features(feats, ids, pos, mask, anchors, self.cfg.drafter.block_size, teacher)
+        return select_row_features(feats, ids, pos, mask, anchors, self.cfg.drafter.block_span, teacher)
 
     def eval_features(self) -> CachedEvalFeatures:
         return CachedEvalFeatures(self.store, self.dtype, self.device)

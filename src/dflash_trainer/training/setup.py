@@ -21,7 +21,7 @@ def open_prepared_data(
     way to let one rank prepare while the others wait (``distributed.on_rank0``); it returns the storage
     folder on every rank. The reports are copied into ``report_dir`` (default ``output_dir``) and
     checked against ``data.max_bad_fraction`` there."""
-    request = request_for(cfg.data, tokenizer, vocab_size, min_tokens=cfg.drafter.block_size + 1)
+    request = request_for(cfg.data, tokenizer, vocab_size, min_tokens=cfg.drafter.block_span + 1)
 
     def find() -> str:
         return str(find_storage(cfg.data, request, tokenizer, progress=progress))

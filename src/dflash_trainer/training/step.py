@@ -18,7 +18,7 @@ the planner's calibration tool reads.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -26,9 +26,9 @@ from torch.profiler import record_function
 from ..config import RunConfig
 from ..data.blocks import build_blocks, sample_anchors
 from ..data.packing import PackedRow, doc_ids_from_positions
-from ..loss import fused_draft_loss, reference_draft_loss
 from ..model.drafter import DFlashDrafter
 from ..model.target import RowFeatures, TargetModel
+from ..variants import variant_of
 
 PHASE_PREFIX = "dflash-phase:"
 
@@ -39,8 +39,11 @@ def phase(name: str) -> record_function:
 
 
 def needs_teacher(cfg: RunConfig) -> bool:
-    """The loss reads the teacher's hidden states (soft KL, or teacher-argmax labels)."""
-    return cfg.loss.kl_weight > 0 or cfg.loss.labels == "teacher"
+    """The loss reads the teacher's hidden states (soft KL, teacher-argmax labels, or a term of the
+    drafter variant's that needs them)."""
+    if cfg.loss.kl_weight > 0 or cfg.loss.labels == "teacher":
+        return True
+    return variant_of(cfg.drafter.variant).needs_teacher(cfg.drafter.variant_settings.model_dump())
 
 
 def row_generator(seed: int, row_index: int) -> torch.Generator:
@@ -64,13 +67,13 @@ def row_anchors(row: PackedRow, row_index: int, cfg: RunConfig) -> torch.Tensor:
     """The sorted anchor positions ``[n]`` of row ``row_index`` (n <= data.max_anchors; 0 when none is valid)."""
     doc = doc_ids_from_positions(row.position_ids)
     gen = row_generator(cfg.train.seed, row_index)
-    return sample_anchors(row.loss_mask, doc, cfg.drafter.block_size, cfg.data.max_anchors, gen)
+    return sample_anchors(row.loss_mask, doc, cfg.drafter.block_span, cfg.data.max_anchors, gen)
 
 
 def produce_row_features(target: TargetModel, row: PackedRow, row_index: int, cfg: RunConfig) -> RowFeatures | None:
     """The producer half: anchors of row ``row_index`` and the target features they need; None when
     the row has no valid anchor (nothing for the drafter to learn from it)."""
-    block = cfg.drafter.block_size
+    block = cfg.drafter.block_span  # B, plus the variant's label shift
     anchors = row_anchors(row, row_index, cfg)
     if anchors.numel() == 0:
         return None
@@ -91,6 +94,7 @@ class StepBatch:
     labels: torch.Tensor  # [nb*B]
     weights: torch.Tensor  # [nb*B]
     slots: torch.Tensor  # [nb*B] slot index k
+    extras: dict = field(default_factory=dict)  # the drafter variant's per-row tensors (batch_extras)
 
 
 def drafter_step(
@@ -100,14 +104,18 @@ def drafter_step(
     ``data.max_anchors`` (stable shapes from step to step), and the drafter's output over all of them.
     ``forward`` runs the drafter (default ``drafter``; a DDP wrapper of it on data-parallel ranks)."""
     spec, nb = drafter.spec, cfg.data.max_anchors
+    variant = variant_of(spec)
     b, n = spec.block_size, feats.anchors.numel()
+    # Slot k predicts the token at anchor + k + shift: blocks are laid out over B + shift row tokens,
+    # the drafter reads the first B (anchor, masks) and the loss the last B (labels, weights, teacher).
+    shift = variant.label_shift(spec)
     doc = doc_ids_from_positions(feats.position_ids)
     blocks = build_blocks(
         feats.input_ids,
         feats.position_ids,
         feats.loss_mask,
         feats.anchors,
-        block_size=b,
+        block_size=b + shift,
         mask_token_id=spec.mask_token_id,
         gamma=cfg.loss.gamma,
         num_blocks=nb,
@@ -117,18 +125,20 @@ def drafter_step(
     autocast = torch.autocast(feats.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.train.dtype == "bfloat16")
     with phase("drafter forward"), autocast, torch.set_grad_enabled(train):
         hidden = (forward or drafter)(
-            blocks.input_ids, blocks.position_ids, feats.context, feats.position_ids, masks, backend
+            blocks.input_ids[:, :b], blocks.position_ids[:, :b], feats.context, feats.position_ids, masks, backend
         )
     teacher = None
     if feats.teacher is not None:  # padding blocks have weight 0: the loss never reads their teacher rows
-        teacher = feats.teacher.new_zeros(nb * b, feats.teacher.shape[-1])
-        teacher[: n * b] = feats.teacher
+        width = feats.teacher.shape[-1]
+        teacher = feats.teacher.new_zeros(nb * b, width)
+        teacher[: n * b] = feats.teacher.view(n, b + shift, width)[:, shift:].reshape(n * b, width)
     return StepBatch(
         hidden=hidden,
         teacher=teacher,
-        labels=blocks.labels.reshape(-1),
-        weights=blocks.weights.reshape(-1),
+        labels=blocks.labels[:, shift:].reshape(-1),
+        weights=blocks.weights[:, shift:].reshape(-1),
         slots=torch.arange(b, device=hidden.device).repeat(nb),
+        extras=variant.batch_extras(spec, feats.input_ids, blocks.anchors),
     )
 
 
@@ -142,7 +152,7 @@ def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, refe
         head = head.to(torch.bfloat16)
     hidden = batch.hidden.to(head.dtype)
     teacher = batch.teacher.to(head.dtype) if batch.teacher is not None else None
-    kwargs = dict(
+    terms = dict(
         kl_weight=cfg.loss.kl_weight,
         temperature=cfg.loss.temperature,
         cap_weight=cfg.loss.cap_weight,
@@ -151,16 +161,12 @@ def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, refe
         **drafter.spec.logit_options,
     )
     with phase("loss"):
-        if reference:
-            return reference_draft_loss(hidden, teacher, head, batch.labels, batch.weights.to(head.dtype), **kwargs)
-        return fused_draft_loss(
+        return variant_of(drafter.spec).loss(
+            drafter,
             hidden,
             teacher,
             head,
-            batch.labels,
-            batch.weights.to(head.dtype),
-            slot_ids=batch.slots,
-            num_slots=drafter.spec.block_size,
-            chunk_size=cfg.loss.chunk_size,
-            **kwargs,
+            batch,
+            {"terms": terms, "chunk_size": cfg.loss.chunk_size},
+            reference=reference,
         )

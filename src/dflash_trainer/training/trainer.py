@@ -40,6 +40,7 @@ from ..inference.acceptance import EvalInputError, acceptance_report
 from ..io import atomic_write
 from ..model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
 from ..model.target import TargetModel
+from ..variants import make_drafter
 from .checkpoint import (
     config_changes,
     load_training_state,
@@ -80,7 +81,7 @@ def build_drafter(cfg: RunConfig, target: TargetModel, tokenizer) -> DFlashDraft
     # Built where the target is (its embedding and head are shared): on a GPU, initializing billions
     # of parameters there takes seconds where the CPU takes minutes.
     with torch.device(target.device):
-        drafter = DFlashDrafter(spec, target.embed_tokens, target.lm_head_weight)
+        drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight)
         # Qwen-style init: normal(0, 0.02) for projections, ones for norms (the norms' default).
         for p in drafter.parameters():
             if p.dim() > 1:
@@ -123,7 +124,7 @@ def has_block(row: PackedRow, block_size: int) -> bool:
 def check_rows_have_blocks(train_rows: Sequence[PackedRow], eval_rows: Sequence[PackedRow], cfg: RunConfig) -> None:
     """Refuse, before the first step, data from which no block can be drawn: training would loop forever
     looking for an anchor, and evaluation would fail only after steps were spent."""
-    b = cfg.drafter.block_size
+    b = cfg.drafter.block_span
     need = f"an anchor needs loss_mask 1 and {b - 1} more tokens of the same document within data.seq_len"
     # any() stops at the first row with a block: in a real data set that is the first row.
     if train_rows and not any(has_block(row, b) for row in train_rows):
@@ -223,7 +224,7 @@ class Trainer:
         self.plan = (
             feed.plan
             if feed is not None
-            else StepPlan(self.stream, len(train_rows), cfg.drafter.block_size, cfg.train.grad_accum)
+            else StepPlan(self.stream, len(train_rows), cfg.drafter.block_span, cfg.train.grad_accum)
         )
         self.stop_requested = None
         self.tb = None

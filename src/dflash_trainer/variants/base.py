@@ -1,0 +1,98 @@
+"""The variant interface, with DFlash's behaviour as its defaults.
+
+DFlash: slot k of a block ``[anchor, MASK x (B-1)]`` predicts the token at ``anchor + k`` (k >= 1),
+no heads beyond the backbone, the fused loss of ``loss/``, and B - 1 drafts read off the block's
+logits at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..loss import fused_draft_loss, reference_draft_loss
+from ..loss.logits import transform_logits
+from ..model.drafter import DFlashDrafter, DrafterSpec
+
+
+class Variant:
+    name = "dflash"
+
+    def label_shift(self, spec: DrafterSpec) -> int:
+        """Slot k predicts the token at ``anchor + k + label_shift``; a block spans B + shift row tokens."""
+        return 0
+
+    def heads(self, spec: DrafterSpec) -> dict[str, nn.Module]:
+        """Submodules the variant adds to the drafter, by attribute name."""
+        return {}
+
+    def needs_teacher(self, options: dict) -> bool:
+        """Whether the variant's loss (with settings ``options``, ``DrafterSpec.variant_options``) reads
+        the teacher even when the base loss does not."""
+        return False
+
+    def head_shapes(self, options: dict, hidden: int, vocab: int) -> list[tuple[int, ...]]:
+        """The parameter shapes ``heads`` adds (the planner prices them, their gradients and AdamW state)."""
+        return []
+
+    def planner_terms(self, options: dict) -> dict:
+        """The planner's ``Workload`` fields of this variant (``planner.formulas.Workload``)."""
+        return {
+            "variant": self.name,
+            "variant_options": tuple(sorted(options.items())),
+            "label_shift": 0,
+            "bias_rank": 0,
+            "per_row_terms": False,
+            "variant_teacher": self.needs_teacher(options),
+        }
+
+    def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
+        """One line saying why ``fmt`` cannot hold this variant's drafter, or None."""
+        return None
+
+    def speculators_config(self, config: dict, spec: DrafterSpec) -> dict:
+        """The speculators ``config.json`` of a DFlash export, adapted to the variant."""
+        return config
+
+    def batch_extras(self, spec: DrafterSpec, input_ids: torch.Tensor, anchors: torch.Tensor) -> dict:
+        """Per-row tensors of a step's blocks the variant's loss needs (``anchors`` ``[nb]``, ``input_ids`` ``[L]``)."""
+        return {}
+
+    def loss(self, drafter: DFlashDrafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool):
+        """``(loss, metrics)`` of one row's blocks. ``hidden``/``teacher`` ``[N, H]`` and ``head`` ``[V, H]`` in
+        the loss's dtype; ``loss_kwargs`` the base terms (``fused_draft_loss``'s keywords)."""
+        weights = batch.weights.to(head.dtype)
+        if reference:
+            return reference_draft_loss(hidden, teacher, head, batch.labels, weights, **loss_kwargs["terms"])
+        return fused_draft_loss(
+            hidden,
+            teacher,
+            head,
+            batch.labels,
+            weights,
+            slot_ids=batch.slots,
+            **loss_kwargs["terms"],
+            num_slots=drafter.spec.block_size,
+            chunk_size=loss_kwargs["chunk_size"],
+        )
+
+    def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
+        """For drafts that depend on earlier drafts: ``(root, expand)`` with ``root = (log_probs [V], state)``
+        of depth 1 and ``expand(token, state, depth) -> (log_probs [V], state)`` of a node's children
+        (``inference.ddtree.build_conditioned_tree``). None (DFlash): the slots are independent and the
+        tree is the best prefixes under the product of ``propose``'s per-slot log-probabilities."""
+        return None
+
+    def draft_logits(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor):
+        """Teacher-forced raw head logits ``[g, D, V]`` of the draft slots of blocks ``hidden`` ``[g, B, H]``
+        (``anchors`` ``[g]`` their anchor tokens, ``greedy`` ``[g, D]`` the target's greedy tokens)."""
+        head = drafter.lm_head_weight
+        return hidden[:, 1:].to(head.dtype) @ head.T
+
+    @torch.no_grad()
+    def propose(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
+        """One block's proposal from its hidden ``[B, H]``: ``(log_probs [D, V], greedy drafts [D])``, D the
+        number of draft tokens (DFlash: slots 1..B-1, whose distributions do not depend on each other)."""
+        logits = transform_logits(drafter.block_logits(hidden[1:]).float(), **drafter.spec.logit_options)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        return log_probs, log_probs.argmax(-1).tolist()
