@@ -10,6 +10,7 @@ import pytest
 import torch
 from families import FAMILIES, HYBRID, MOE, SLIDING, WINDOW, build_family
 
+from dflash_trainer.inference.ddtree import build_tree
 from dflash_trainer.inference.speculative import SpeculativeDecoder, _forward_cache_kwarg, target_greedy
 from dflash_trainer.model.target import TargetModel
 
@@ -46,7 +47,11 @@ class OracleDrafts(SpeculativeDecoder):
     def _extend_context(self, drafter_cache, feats, start):
         return None
 
-    def _draft_log_probs(self, anchor, anchor_pos, drafter_cache):
+    def _draft(self, anchor, anchor_pos, drafter_cache):
+        log_probs = self._oracle_log_probs(anchor_pos)
+        return log_probs, log_probs.argmax(-1).tolist(), lambda budget: build_tree(log_probs, budget)
+
+    def _oracle_log_probs(self, anchor_pos):
         vocab = self.target.vocab_size
         logits = torch.randn(BLOCK - 1, vocab, generator=self.gen)
         for j in range(BLOCK - 1):
