@@ -1,7 +1,8 @@
 """DFlash vs DSpark on the embedded tiny target, at the demo's data and budget.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py [--seeds 0 1] [--out DIR]
-    # writes benchmarks/results/variants.{json,md}
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py [--seeds 0 1] [--out DIR] [--variants dspark]
+    # writes benchmarks/results/variants.{json,md}; with --variants, the other variants' runs are
+    # kept from the results file (each run records the date and command that measured it)
 
 The demo's pipeline (``commands/demo.py``) regenerates the held-out stdlib responses with the target
 once; then every (variant, seed) trains the tiny-demo preset (same steps, data and schedule; only
@@ -30,6 +31,7 @@ from dflash_trainer.training.step import draft_loss, drafter_step, produce_row_f
 from dflash_trainer.training.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ["dflash", "dspark"]
 
 
 def calibration(trainer, cfg, rows) -> dict | None:
@@ -51,13 +53,31 @@ def calibration(trainer, cfg, rows) -> dict | None:
     return {"predicted": (sums["predicted"] / n).tolist(), "measured": (sums["measured"] / n).tolist()}
 
 
+def command_line(args) -> str:
+    return (
+        "PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py --seeds "
+        + " ".join(map(str, args.seeds))
+        + f" --prompts-per-file {args.prompts_per_file} --max-steps {args.max_steps}"
+        + (f" --variants {' '.join(args.variants)}" if args.variants != list(VARIANTS) else "")
+    )
+
+
+def kept_runs(args) -> list:
+    """The earlier runs of the variants this invocation does not rerun (``--variants``)."""
+    f = RESULTS / "variants.json"
+    if args.variants == list(VARIANTS) or not f.is_file():
+        return []
+    old = json.loads(f.read_text())
+    return [
+        {"date": old["date"], "command": old["command"], **r} for r in old["runs"] if r["variant"] not in args.variants
+    ]
+
+
 def write_results(args, root: Path, results: list, t0: float) -> None:
     """benchmarks/results/variants.{json,md} from the runs so far."""
     RESULTS.mkdir(exist_ok=True)
     info = {
-        "command": "PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py --seeds "
-        + " ".join(map(str, args.seeds))
-        + f" --prompts-per-file {args.prompts_per_file} --max-steps {args.max_steps}",
+        "command": command_line(args),
         "records": {
             "train": sum(1 for _ in open(root / "data" / "train.jsonl")),
             "eval": sum(1 for _ in open(root / "data" / "eval.jsonl")),
@@ -84,6 +104,8 @@ def write_results(args, root: Path, results: list, t0: float) -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if "command" in r:
+            lines.append(f"| (kept: measured {r['date']} by `{r['command']}`) | | | | | | | | |")
         lines.append(
             f"| {r['variant']} | {r['seed']} | {r['tau']:.3f} | {r['decode_tau']:.3f} | {r['ddtree_tau']['16']:.3f} | "
             f"{r['ddtree_tau']['64']:.3f} | {r['tau_t1_expected']:.3f} | {r['params']:,} | {r['train_seconds']} |"
@@ -91,12 +113,19 @@ def write_results(args, root: Path, results: list, t0: float) -> None:
     lines += ["", "Per-slot acceptance (teacher-forced, greedy):", ""]
     for r in results:
         lines.append(f"- {r['variant']} seed {r['seed']}: " + " ".join(f"{a:.2f}" for a in r["slot_acceptance"]))
-    lines += ["", "Confidence calibration (DSpark, per slot: mean predicted / mean measured acceptance):", ""]
+    lines += [
+        "",
+        "Confidence calibration (DSpark, per slot: mean predicted / mean measured acceptance a = sum_v min(p_v, q_v)):",
+        "teacher-forced as in training (previous tokens from the data), and along the Markov walk as `eval` reports",
+        "it (previous tokens drafted, as decoding uses the head):",
+        "",
+    ]
     for r in results:
-        if r["calibration"]:
-            c = r["calibration"]
-            pairs = " ".join(f"{p:.2f}/{m:.2f}" for p, m in zip(c["predicted"], c["measured"]))
-            lines.append(f"- seed {r['seed']}: {pairs}")
+        for key, what in (("calibration", "teacher-forced"), ("eval_confidence", "eval, along the walk")):
+            c = r.get(key)
+            if c:
+                pairs = " ".join(f"{p:.2f}/{m:.2f}" for p, m in zip(c["predicted"], c["measured"]))
+                lines.append(f"- seed {r['seed']}, {what}: {pairs}")
     (RESULTS / "variants.md").write_text("\n".join(lines) + "\n")
 
 
@@ -106,6 +135,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench-variants")
     ap.add_argument("--prompts-per-file", type=int, default=4, help="the demo's default: 4 (340 prompts)")
     ap.add_argument("--max-steps", type=int, default=800, help="the demo's default: 800")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
     root = Path(args.out)
     base = load_config(["tiny-demo"], [f"output_dir={root / 'data'}", "train.dtype=bfloat16"])
@@ -116,8 +146,8 @@ def main() -> None:
             prompts_per_file=args.prompts_per_file,
         )
     data = [f"data.train_files=[{root / 'data' / 'train.jsonl'}]", f"data.eval_files=[{root / 'data' / 'eval.jsonl'}]"]
-    results = []
-    for variant in ("dflash", "dspark"):
+    results = kept_runs(args)
+    for variant in args.variants:
         for seed in args.seeds:
             out = root / f"{variant}-s{seed}"
             cfg = load_config(
@@ -152,6 +182,7 @@ def main() -> None:
                     "blocks": rep["blocks"],
                     "tau_t1_expected": t1_tau["expected"],
                     "calibration": calibration(trainer, cfg, rows),
+                    "eval_confidence": rep.get("confidence"),
                 }
             )
             print(json.dumps(results[-1]), flush=True)

@@ -130,3 +130,14 @@ def test_resolved_config_round_trips(tmp_path):
     assert path.name == "run.yaml"
     assert load_config([str(path)]) == cfg
     assert dump_config(load_config([str(path)])) == path.read_text()
+
+
+def test_the_dspark_demo_preset_is_the_tiny_demo_with_dspark():
+    """`--config tiny-demo-dspark` is `tiny-demo` with `drafter.variant=dspark` (and its own name and
+    output folder), so the two demos compare the variants and nothing else."""
+    dspark = load_config(["tiny-demo-dspark"]).model_dump()
+    plain = load_config(
+        ["tiny-demo"], ["drafter.variant=dspark", "name=tiny-demo-dspark", "output_dir=runs/tiny-demo-dspark"]
+    ).model_dump()
+    assert dspark == plain
+    assert dspark["drafter"]["variant"] == "dspark"

@@ -281,3 +281,115 @@ def test_dspark_tree_extends_the_walk(small_run):
         assert tree.tokens[min(kids)] == tok
         node, followed = min(kids), followed + 1
     assert followed >= 2
+
+
+def test_eval_ddtree_is_the_tree_decoding_verifies(small_run):
+    """Eval's DDTree of a DSpark block is the tree DDTree decoding builds and verifies at that anchor
+    (node-conditioned; not the best prefixes of the greedy walk's per-slot distributions), and its
+    acceptance is what decoding accepts there."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.inference.acceptance import teacher_forced_blocks
+    from dflash_trainer.inference.ddtree import accepted_per_budget, build_tree
+    from dflash_trainer.loss.logits import transform_logits
+
+    target = small_run["target"]
+    drafter = load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", target)[0]
+    # a strong Markov bias, so that a node's children really depend on its token (the 40-step drafter's
+    # barely does, and the two kinds of tree would agree by chance)
+    torch.manual_seed(0)
+    drafter.markov_head.markov_w1.weight.data.normal_(0, 1.0)
+    drafter.markov_head.markov_w2.weight.data.normal_(0, 0.3)  # bias ~ N(0, 1.2^2) per logit at rank 16
+    span, budget = block_span(drafter.spec), 32
+    decoder = SpeculativeDecoder(target, drafter, [0, 2])
+    checked = walk_tree_differs = 0
+    for row in small_run["rows"][:2]:
+        prompt = row.input_ids[:40].tolist()
+        res = decoder.generate(prompt, 40, mode="ddtree", budget=budget)
+        ids = torch.tensor(prompt + res.tokens)
+        packed = SimpleNamespace(input_ids=ids, position_ids=torch.arange(ids.numel()), loss_mask=torch.ones_like(ids))
+        anchors = [a for a in res.anchors if a + span <= ids.numel()]
+        context = target.features(ids, torch.arange(ids.numel()), need_teacher=False).context
+        eval_accepted, trees = [], []
+        for scored in teacher_forced_blocks(target, drafter, packed, torch.tensor(anchors)):
+            draft_logits, greedy, tree_of = scored.draft_logits, scored.greedy, scored.tree_of
+            log_probs = torch.log_softmax(transform_logits(draft_logits.float(), **drafter.spec.logit_options), -1)
+            for j, path in enumerate(greedy.tolist()):
+                tree = tree_of(j, budget)
+                eval_accepted += accepted_per_budget(tree, path, [budget])
+                walk_tree = build_tree(log_probs[j], budget)
+                walk_tree_differs += (walk_tree.tokens, walk_tree.parents) != (tree.tokens, tree.parents)
+                trees.append(tree)
+        assert eval_accepted == res.accepted[: len(anchors)]
+        for a, tree in zip(anchors, trees):
+            cache = drafter.context_cache(context[:a], torch.arange(a))
+            decoded = decoder._draft(int(ids[a]), a, cache)[2](budget)
+            assert (decoded.tokens, decoded.parents) == (tree.tokens, tree.parents)
+        checked += len(anchors)
+    assert checked >= 8 and walk_tree_differs > 0  # the check tells the two kinds of tree apart
+    print(f"{checked} blocks: eval's tree == decoding's; the greedy walk's prefix tree differs at {walk_tree_differs}")
+
+
+def test_accepted_per_budget_is_the_smaller_budgets_tree():
+    """One tree of the largest budget gives every smaller budget's acceptance (best-first prefixes)."""
+    from dflash_trainer.inference.ddtree import accepted_in_tree, accepted_per_budget, build_tree
+
+    g = torch.Generator().manual_seed(1)
+    budgets = [1, 2, 5, 16, 40]
+    for _ in range(20):
+        lp = torch.log_softmax(torch.randn(6, 9, generator=g, dtype=torch.float64) * 2, -1)
+        path = torch.randint(0, 3, (6,), generator=g).tolist()  # often inside the tree
+        want = [accepted_in_tree(build_tree(lp, b), path) for b in budgets]
+        assert accepted_per_budget(build_tree(lp, budgets[-1]), path, budgets) == want
+
+
+def test_eval_reports_the_confidence_heads_calibration(small_run):
+    """Eval's per-slot calibration: the confidence head's prediction along the walk beside the
+    acceptance it is trained to predict, sum_v min(p_v, q_v), recomputed here for one block from the
+    decoding path (the drafter's cache and walk, the target's own forward pass)."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.inference.acceptance import teacher_forced_blocks
+    from dflash_trainer.loss.logits import transform_logits
+
+    target = small_run["target"]
+    drafter = load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", target)[0]
+    report = acceptance_report(target, drafter, small_run["rows"][:2], budgets=[], max_blocks_per_row=8)
+    c, d = report["confidence"], block_span(drafter.spec) - 1
+    assert len(c["predicted"]) == len(c["measured"]) == d
+    assert all(0 < x < 1 for x in c["predicted"] + c["measured"]) and c["abs_error"] >= 0
+    ids = small_run["rows"][0].input_ids[:80]
+    a = 30
+    row = SimpleNamespace(input_ids=ids, position_ids=torch.arange(ids.numel()), loss_mask=torch.ones_like(ids))
+    scored = next(teacher_forced_blocks(target, drafter, row, torch.tensor([a])))
+    feats = target.features(ids[:a], torch.arange(a), need_teacher=False).context
+    hidden = drafter.draft_block(int(ids[a]), a, drafter.context_cache(feats, torch.arange(a)))
+    log_q, _ = variant_of(drafter.spec).propose(drafter, hidden, int(ids[a]))
+    with torch.no_grad():  # the target's distribution of each draft's token: positions a .. a + D - 1
+        logits = target.model(input_ids=ids[None, : a + d]).logits[0, a : a + d]
+    p = torch.softmax(transform_logits(logits.float(), **drafter.spec.logit_options), -1)
+    want = torch.minimum(p, log_q.exp()).sum(-1)
+    torch.testing.assert_close(scored.acceptance[0], want, atol=1e-4, rtol=0)
+    walk_conf = variant_of(drafter.spec).walk(drafter, hidden[None], ids[a : a + 1])[2][0]
+    torch.testing.assert_close(scored.confidence[0], walk_conf, atol=1e-4, rtol=0)
+
+
+def test_eval_command_on_a_dspark_checkpoint(small_run, tmp_path, capsys):
+    """`dflash-train eval` end to end on a DSpark checkpoint: B draft slots in the report and the
+    plots, and the calibration line under the table."""
+    import json
+
+    from dflash_trainer.cli import main
+
+    ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
+    out = tmp_path / "eval"
+    code = main(
+        ["eval", str(ckpt), "--data", str(small_run["data"]), "--out", str(out), "--budgets", "4,16"]
+        + ["--set", "data.seq_len=128", "--set", "data.max_eval_rows=2"]
+    )
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())["checkpoints"][0]["report"]
+    b = small_run["cfg"].drafter.block_size
+    assert len(report["slot_acceptance"]) == len(report["confidence"]["predicted"]) == b
+    assert (out / "acceptance_per_slot.png").stat().st_size > 0 and (out / "tau_vs_budget.png").stat().st_size > 0
+    assert "confidence predicted/measured acceptance per slot" in capsys.readouterr().out

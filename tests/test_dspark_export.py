@@ -130,3 +130,67 @@ def test_zlab_refuses_a_dspark_drafter_in_one_line(setup, tmp_path):
     with pytest.raises(UserError, match="no Markov or confidence head") as err:
         export_checkpoint(setup["ckpts"]["vanilla"], tmp_path / "z", "zlab")
     assert "\n" not in str(err.value)
+
+
+def _walk(drafter, ids, feats, anchor):
+    """``(walk logits [D, V], drafts [D], confidence [D] or None)`` of the block at ``anchor``, as decoding drafts it."""
+    pos = torch.arange(anchor)
+    with torch.no_grad():
+        hidden = drafter.draft_block(int(ids[anchor]), anchor, drafter.context_cache(feats[:anchor], pos))
+        return variant_of(drafter.spec).walk(drafter, hidden[None], ids[anchor : anchor + 1])
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gated-no-anchor"])
+def test_our_loader_and_export_check_read_a_dspark_folder(setup, name, tmp_path):
+    from dflash_trainer.export.formats import check_export
+    from dflash_trainer.export.layouts import load_any_drafter
+
+    ckpt = setup["ckpts"][name]
+    out = export_checkpoint(ckpt, tmp_path / "spec", "speculators", target_model=setup["model"])
+    target = TargetModel(setup["model"])
+    loaded, meta = load_any_drafter(out, target)
+    assert loaded.spec.variant == "dspark" and meta["format"] == "speculators"
+    want = load_drafter(ckpt, target)[0].spec.variant_options
+    for key in ("markov_rank", "markov_head_type", "sample_from_anchor", "confidence_head"):
+        assert loaded.spec.variant_options[key] == want[key]
+    reference = bf16_rounded(load_drafter(ckpt, target)[0])
+    for a in ANCHORS:
+        got, want = _walk(loaded, setup["ids"], setup["feats"], a), _walk(reference, setup["ids"], setup["feats"], a)
+        assert torch.allclose(got[0], want[0], atol=1e-5) and torch.equal(got[1], want[1])
+        assert torch.allclose(got[2], want[2], atol=1e-6)
+    report = check_export(out)
+    assert report.problems == [], report.problems
+    assert report.max_logit_diff is not None and report.max_logit_diff <= 1e-3
+
+
+def test_export_check_catches_a_broken_dspark_folder(setup, tmp_path):
+    from dflash_trainer.export.formats import check_export
+
+    out = export_checkpoint(setup["ckpts"]["vanilla"], tmp_path / "spec", "speculators", target_model=setup["model"])
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 7  # DFlash's count, not DSpark's 8
+    cfg["markov_rank"] = 32  # the weights hold rank 16
+    (out / "config.json").write_text(json.dumps(cfg))
+    problems = check_export(out).problems
+    assert "speculative_tokens 7 does not equal block_size (sample_from_anchor) = 8" in problems
+    assert any(p.startswith("markov_head.markov_w1.weight is ") and "the config gives" in p for p in problems)
+    # the Markov bias computes the drafts: a W2 that is not the checkpoint's fails the numeric check
+    cfg["markov_rank"], cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 16, 8
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(out / "model.safetensors"))
+    weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"] * 2
+    save_file(weights, str(out / "model.safetensors"))
+    report = check_export(out)
+    assert len(report.problems) == 1 and report.problems[0].startswith("block logits vs checkpoint vanilla: max |diff|")
+
+
+def test_a_dspark_folder_with_a_bad_head_setting_is_one_line(setup, tmp_path):
+    from dflash_trainer.export.layouts import read_drafter_folder
+
+    out = export_checkpoint(setup["ckpts"]["vanilla"], tmp_path / "spec", "speculators", target_model=setup["model"])
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["markov_head_type"] = "lstm"
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="markov_head_type 'lstm'") as err:
+        read_drafter_folder(out)
+    assert "\n" not in str(err.value)

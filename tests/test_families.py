@@ -275,3 +275,67 @@ def test_whole_flow(folders, tmp_path, family):
             (out / "config.json").write_text(json.dumps(config))
             problems = check_export(out).problems
             assert any("embedding_scale" in p for p in problems) and any("logit_softcap" in p for p in problems)
+
+
+# -- DSpark's drafts on every family -----------------------------------------------------------------
+
+
+class OracleMarkovDrafts(OracleDrafts):
+    """DSpark's shape of proposal on the oracle's drafts: B drafts a block (sample_from_anchor), and a
+    DDTree whose children come from a distribution conditioned on their parent's token (the oracle's
+    next reference token, often corrupted, below a node on the reference path; noise below any other)."""
+
+    def _draft(self, anchor, anchor_pos, drafter_cache):
+        from dflash_trainer.inference.ddtree import build_conditioned_tree
+
+        depth = BLOCK  # B drafts
+        vocab = self.target.vocab_size
+
+        def slot(i, on_path):  # the distribution of the draft at row position i
+            logits = torch.randn(vocab, generator=self.gen)
+            if on_path and i < len(self.reference):
+                logits[self.reference[i]] = 10.0
+                if torch.rand(1, generator=self.gen) < 0.3:
+                    logits[int(torch.randint(vocab, (1,), generator=self.gen))] = 11.0
+            return torch.log_softmax(logits, dim=-1)
+
+        chain, log_probs = [], []
+        for j in range(depth):
+            log_probs.append(slot(anchor_pos + 1 + j, True))
+            chain.append(int(log_probs[-1].argmax()))
+
+        def expand(token, on_path, d):  # children of a node at depth d (row position anchor_pos + d)
+            i = anchor_pos + d
+            on = on_path and i < len(self.reference) and token == self.reference[i]
+            return slot(i + 1, on), on
+
+        root = (log_probs[0], True)
+        return torch.stack(log_probs), chain, lambda budget: build_conditioned_tree(root, expand, depth, budget)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dspark_speculative_equals_greedy(models, family):
+    """DSpark on every family, chain and DDTree: a real DSpark drafter (its Markov walk and
+    node-conditioned tree over this family's features) and the oracle's Markov-shaped drafts (so that
+    rounds of B drafts accept fully, partly and off the tree's top branch) give plain greedy."""
+    from dflash_trainer.config.schema import DrafterConfig
+    from dflash_trainer.model.drafter import DrafterSpec
+    from dflash_trainer.variants import make_drafter
+
+    model, greedy = models(family)
+    if family in HYBRID:
+        greedy = greedy[:HYBRID_TOKENS]
+    target = TargetModel(model, layer_ids=[1, 2])
+    cfg = DrafterConfig(num_layers=1, block_size=BLOCK, variant="dspark", dspark={"markov_rank": 8})
+    spec = DrafterSpec.from_target(model.config, cfg, num_features=2, mask_token_id=1)
+    torch.manual_seed(0)
+    drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight).eval()
+    drafter.markov_head.markov_w1.weight.data.normal_(0, 1.0)  # a bias that moves the drafts
+    real = SpeculativeDecoder(target, drafter, [0])
+    oracle = OracleMarkovDrafts(target, PROMPT + greedy)
+    for mode, budget in (("chain", 1), ("ddtree", 10)):
+        out = real.generate(PROMPT, len(greedy), mode, budget=budget)
+        assert out.tokens == greedy and max(out.drafted) == BLOCK, mode  # B drafts a block
+        result = oracle.generate(PROMPT, len(greedy), mode, budget=budget)
+        assert result.tokens == greedy, mode
+        assert max(result.accepted) == BLOCK and min(result.accepted) < BLOCK, mode

@@ -14,6 +14,7 @@ from dflash_trainer.tiny_target.corpus import load_split
 from dflash_trainer.training.checkpoint import save_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer
+from dflash_trainer.variants import block_span
 
 EOS = [0, 2]
 
@@ -21,7 +22,12 @@ EOS = [0, 2]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A drafter trained briefly on the tiny target's own greedy continuations (so drafts get accepted)."""
-    root = tmp_path_factory.mktemp("spec")
+    return train_on_greedy(tmp_path_factory.mktemp("spec"))
+
+
+def train_on_greedy(root, *overrides, steps: int = 150):
+    """Train a drafter (``overrides``: more ``--set`` settings, e.g. a variant) for ``steps`` on the
+    tiny target's greedy continuations of 32 held-out prompts; 8 more prompts are kept for decoding."""
     cfg0 = load_config(["tiny-demo"])
     from dflash_trainer.model.loading import load_target
 
@@ -49,11 +55,12 @@ def trained(tmp_path_factory):
         [
             f"data.train_files=[{data}]",
             f"output_dir={root / 'run'}",
-            "train.max_steps=150",
-            "train.eval_every=150",
-            "train.save_every=150",
+            f"train.max_steps={steps}",
+            f"train.eval_every={steps}",
+            f"train.save_every={steps}",
             "data.max_eval_rows=1",
             "train.lr=3e-3",
+            *overrides,
         ],
     )
     target, tok, rows, eval_rows, _ = prepare(cfg)
@@ -312,6 +319,10 @@ def _exact_continuations(model, prompt, temperature, top_p, length, min_prob):
 
 @pytest.fixture(scope="module")
 def sampled_runs(trained):
+    return sampled_runner(trained)
+
+
+def sampled_runner(trained):
     """Continuations of one prompt by speculative sampling (seeds 0..SAMPLES-1) per configuration,
     correct and biased, cached so that the test of each configuration reads them."""
     from dflash_trainer.inference.sampling import SampledVerification
@@ -348,6 +359,10 @@ def sampled_runs(trained):
     ],
 )
 def test_speculative_sampling_is_lossless_in_distribution(trained, sampled_runs, mode, budget, temperature, top_p):
+    check_sampling_is_lossless(trained, sampled_runs, mode, budget, temperature, top_p)
+
+
+def check_sampling_is_lossless(trained, sampled_runs, mode, budget, temperature, top_p):
     """Continuations of CONTINUATION tokens by speculative sampling follow plain target sampling
     (chi-square goodness of fit against the target's exact probabilities, p > ALPHA), while the
     biased verifier, on the same seeds, is rejected (p < ALPHA). Drafts must really be accepted,
@@ -391,7 +406,7 @@ def _visited_rounds(trained, mode, budget, temperature, top_p, seeds):
     from dflash_trainer.inference.sampling import SampledVerification
 
     decoder = SpeculativeDecoder(trained["target"], trained["drafter"], EOS)
-    b = trained["drafter"].spec.block_size
+    b = block_span(trained["drafter"].spec)  # a block's row tokens (DSpark's sample_from_anchor: B + 1)
     runs = []
     for i, prompt in enumerate(trained["prompts"][:4]):
         for seed in seeds:
@@ -404,6 +419,10 @@ def _visited_rounds(trained, mode, budget, temperature, top_p, seeds):
 
 @pytest.mark.parametrize("mode, budget, temperature, top_p", [("chain", 1, 1.0, 1.0), ("ddtree", 8, 0.7, 0.9)])
 def test_expected_acceptance_is_the_mean_of_measured_acceptance(trained, mode, budget, temperature, top_p):
+    check_expected_acceptance(trained, mode, budget, temperature, top_p)
+
+
+def check_expected_acceptance(trained, mode, budget, temperature, top_p):
     """At the very contexts real speculative sampling visited, eval's expected accepted count (exact
     target conditionals along the drafter's chain or tree) is the mean of the accepted count measured:
     mean(measured - expected) over the rounds is within 4 standard errors of 0. Expectations at the

@@ -28,6 +28,7 @@ from ..tiny_target.corpus import load_split
 from ..training.precision import preferred_train_dtype
 from ..training.setup import prepare
 from ..training.trainer import Trainer
+from ..variants import variant_of
 
 EVAL_EVERY_NTH_RECORD = 8
 
@@ -121,9 +122,11 @@ def run_demo(cfg: RunConfig, *, max_new_tokens: int = 160, prompts_per_file: int
         f"measured over {sampled['rounds']} rounds",
         flush=True,
     )
+    spec = trainer.drafter.spec  # a variant with heads z-lab's layout lacks (DSpark) exports as speculators
+    fmt = "zlab" if variant_of(spec).export_refusal("zlab", spec) is None else "speculators"
     print(
         f"checkpoint: {checkpoint}\n"
-        f"export it for serving:  dflash-train export --format zlab {checkpoint} {out / 'export-zlab'}\n"
+        f"export it for serving:  dflash-train export --format {fmt} {checkpoint} {out / f'export-{fmt}'}\n"
         f"total time {time.time() - t_start:.0f}s",
         flush=True,
     )

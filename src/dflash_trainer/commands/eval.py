@@ -41,7 +41,7 @@ def plot_acceptance(entries: list[dict], path: Path) -> None:
     left, right = fig.subplots(1, 2, sharey=True)
     for e in entries:
         r = e["report"]
-        slots = list(range(1, r["block_size"]))
+        slots = list(range(1, len(r["slot_acceptance"]) + 1))  # D draft slots (DSpark's sample_from_anchor: B)
         left.plot(slots, r["slot_acceptance"], marker="o", label=e["label"])
         right.plot(slots, [float("nan") if c is None else c for c in r["conditional_acceptance"]], marker="o")
     left.set_title("P(draft = target greedy) per slot")
@@ -111,6 +111,13 @@ def format_table(entries: list[dict]) -> str:
             f"{e['label']:<{width}}  {r['blocks']:>6}  {r['tau']:>6.3f}  {decode}  "
             + "  ".join(f"{t:>6.3f}" for t in r["ddtree_tau"])
         )
+    for e in entries:  # the confidence head's calibration (DSpark), per draft slot
+        c = e["report"].get("confidence")
+        if c:
+            pairs = " ".join(f"{p:.2f}/{m:.2f}" for p, m in zip(c["predicted"], c["measured"]))
+            lines.append(
+                f"{e['label']}: confidence predicted/measured acceptance per slot {pairs} (|error| {c['abs_error']:.3f})"
+            )
     return "\n".join(lines)
 
 

@@ -43,7 +43,7 @@ from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.loading import resolve_target_path
 from ..training.checkpoint import WEIGHTS as CKPT_WEIGHTS
 from ..training.checkpoint import checkpoint_spec, read_checkpoint_config
-from ..variants import variant_of
+from ..variants import block_span, make_drafter, variant_of
 from .layouts import EXPORT_INFO, MODEL_WEIGHTS, foreign_folder_problems, load_drafter_folder, read_drafter_folder
 from .semantics import FORMATS, SEMANTICS, mismatches
 
@@ -344,7 +344,7 @@ def expected_tensors(fmt: str, spec: DrafterSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor an export of ``spec`` must hold, with its shape (built on the meta device)."""
     with torch.device("meta"):
         embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
-        drafter = DFlashDrafter(spec, embed, embed.weight)
+        drafter = make_drafter(spec, embed, embed.weight)
     shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     if fmt == "speculators":
         shapes["embed_tokens.weight"] = shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
@@ -465,9 +465,10 @@ def check_export(
         problems.append(f"block size {spec.block_size} is below 2")
     if fmt == "speculators":
         methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        tokens = methods[0].get("speculative_tokens")
-        if tokens != spec.block_size - 1:
-            problems.append(f"speculative_tokens {tokens} does not equal block_size - 1 = {spec.block_size - 1}")
+        tokens, drafts = methods[0].get("speculative_tokens"), block_span(spec) - 1
+        if tokens != drafts:
+            what = "block_size - 1" if drafts == spec.block_size - 1 else "block_size (sample_from_anchor)"
+            problems.append(f"speculative_tokens {tokens} does not equal {what} = {drafts}")
     if info is None:  # the weights against the config, and what only the target's layer count decides
         problems.extend(foreign_folder_problems(folder, n_layers))
     else:
@@ -488,6 +489,13 @@ def check_export(
     if smoke and not problems and info is not None:
         _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report, tolerate=bool(allowed))
     return report
+
+
+def _draft_logits(drafter, hidden: torch.Tensor, anchor: int) -> torch.Tensor:
+    """``[D, V]``: the raw logits a block's drafts are read from (``Variant.draft_logits``: DFlash's
+    slots 1..B-1; DSpark's Markov walk, each slot biased by the draft before it)."""
+    anchors = torch.tensor([anchor], device=hidden.device)
+    return variant_of(drafter.spec).draft_logits(drafter, hidden[None], anchors, None)[0]
 
 
 def _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report: CheckReport, tolerate: bool) -> None:
@@ -522,15 +530,17 @@ def _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report: Ch
         last = ids.numel() - spec.block_size
         for a in torch.linspace(1, last, SMOKE_ANCHORS).long().tolist():
             pos = torch.arange(a)
-            want = reference.block_logits(
-                reference.draft_block(int(ids[a]), a, reference.context_cache(ref_feats[:a], pos))
+            want = _draft_logits(
+                reference,
+                reference.draft_block(int(ids[a]), a, reference.context_cache(ref_feats[:a], pos)),
+                int(ids[a]),
             )
-            got = exported.block_logits(
-                exported.draft_block(int(ids[a]), a, exported.context_cache(exp_feats[:a], pos))
+            got = _draft_logits(
+                exported, exported.draft_block(int(ids[a]), a, exported.context_cache(exp_feats[:a], pos)), int(ids[a])
             )
             worst = max(worst, (got - want).abs().max().item())
-            agree += int((got[1:].argmax(-1) == want[1:].argmax(-1)).sum())
-            total += spec.block_size - 1
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            total += got.shape[0]
     report.max_logit_diff = worst
     line = (
         f"block logits vs checkpoint {ckpt.name}: max |diff| {worst:.2e} (tolerance {SMOKE_TOLERANCE:g}), "

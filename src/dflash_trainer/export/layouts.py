@@ -11,9 +11,10 @@ Two layouts exist in the field, each written by more than one tool:
   ``final_logit_softcapping`` from ``dflash_config`` first, then from the top level; older code
   defaulted the layer ids from ``num_target_layers``. Ids are z-lab ids (transformers'
   ``hidden_states[l + 1]``).
-- **speculators** (``speculators_model_type: "dflash"``, the layers' config in
-  ``transformer_layer_config``): speculators' ``save_pretrained`` (no embedding or head inside: its
-  loader takes both from the verifier) and this project's ``export --format speculators``. Ids are
+- **speculators** (``speculators_model_type: "dflash"``, or a drafter variant's type such as
+  ``"dspark"``, the layers' config in ``transformer_layer_config``): speculators' ``save_pretrained``
+  (no embedding or head inside: its loader takes both from the verifier) and this project's
+  ``export --format speculators``; a variant reads its own fields (``Variant.read_speculators_config``). Ids are
   ``aux_hidden_state_layer_ids`` = z-lab ids + 1; ``block_size`` defaults to 8 and
   ``sliding_window_non_causal`` to false, as in speculators' config class.
 
@@ -21,8 +22,9 @@ The layers' config is parsed with transformers' own config class for its ``model
 writers' model code does, so defaults, legacy keys and RoPE parameters in either place mean what they
 mean there. What this project's drafter cannot compute is refused with one line naming the field:
 other RoPE types, attention or MLP biases, other activations, a reduced draft vocabulary, sampling from
-the anchor, z-lab's own sliding-window and causal rules (a folder this project did not write), z-lab's
-DFlash2 (conv + candidate selector), extra tensors, and hooks this project cannot place.
+the anchor in a DFlash drafter, z-lab's own sliding-window and causal rules (a folder this project did
+not write), z-lab's DFlash2 (conv + candidate selector), extra tensors, and hooks this project cannot
+place.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..model.drafter import DFlashDrafter, DrafterSpec
+from ..variants import VARIANTS, make_drafter, variant_of
 
 MODEL_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded weights (transformers' save_pretrained)
@@ -161,8 +164,11 @@ def _zlab(cfg: dict, where: str, ours: bool):
 
 def _speculators(cfg: dict, where: str):
     kind = cfg.get("speculators_model_type")
-    if kind != "dflash":
-        raise UserError(f"{where}: speculators_model_type {kind!r}; only 'dflash' drafters are read")
+    readable = {v.speculators_type: v for v in VARIANTS.values()}
+    if kind not in readable:
+        raise UserError(f"{where}: speculators_model_type {kind!r}; the drafters read are {sorted(readable)}")
+    variant = readable[kind]
+    options = variant.read_speculators_config(cfg, where)
     layer = _layer_config(cfg.get("transformer_layer_config") or {}, where)
     aux = cfg.get("aux_hidden_state_layer_ids")
     if not aux:
@@ -174,8 +180,6 @@ def _speculators(cfg: dict, where: str):
         )
     if cfg.get("mask_token_id") is None:
         raise UserError(f"{where}: no mask_token_id")
-    if cfg.get("sample_from_anchor"):
-        raise UserError(f"{where}: sample_from_anchor is true (slot 0 drafts too); this project drafts slots 1..B-1")
     draft_vocab = cfg.get("draft_vocab_size", layer.vocab_size)
     if draft_vocab != layer.vocab_size:
         raise UserError(
@@ -183,7 +187,8 @@ def _speculators(cfg: dict, where: str):
             "this project's drafter drafts over the target's whole vocabulary"
         )
     non_causal = bool(cfg.get("sliding_window_non_causal", False))
-    return layer, [i - 1 for i in aux], int(cfg.get("block_size", 8)), cfg["mask_token_id"], not non_causal
+    block, causal = int(cfg.get("block_size", 8)), not non_causal
+    return layer, [i - 1 for i in aux], block, cfg["mask_token_id"], causal, variant.name, options
 
 
 def read_drafter_folder(folder: Path) -> DrafterFolder:
@@ -201,9 +206,10 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
         raise UserError(f"{cfg_file} is not a JSON object")
     where, ours = str(folder), (folder / EXPORT_INFO).is_file()
     transforms, scale, verifier = cfg.get("target_transforms") or {}, 1.0, None
+    variant, options = "dflash", {}
     if "speculators_model_type" in cfg:
         fmt = "speculators"
-        layer, layer_ids, block, mask_id, causal = _speculators(cfg, where)
+        layer, layer_ids, block, mask_id, causal, variant, options = _speculators(cfg, where)
         n_target = -1
         verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     elif "DFlashDraftModel" in (cfg.get("architectures") or []) or "dflash_config" in cfg:
@@ -236,6 +242,8 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
         mask_token_id=int(mask_id),
         logit_scale=float(transforms.get("logit_scale") or 1.0),
         logit_softcap=transforms.get("logit_softcap"),
+        variant=variant,
+        variant_options=options,
     )
     n_target = -1 if n_target is None else int(n_target)
     return DrafterFolder(fmt, spec, layer_ids, n_target, cfg, verifier, scale, ours)
@@ -256,14 +264,16 @@ def folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise UserError(f"{folder} holds no safetensors weights ({MODEL_WEIGHTS} or {WEIGHTS_INDEX})")
 
 
-def drafter_state(folder: Path) -> dict[str, torch.Tensor]:
-    """The drafter's own tensors of a folder; other tensors it cannot represent are refused."""
+def drafter_state(folder: Path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors of a folder (the backbone's and its variant's heads'); other tensors
+    it cannot represent are refused."""
     state = folder_weights(folder)
-    extra = sorted(k for k in state if not k.startswith(DRAFTER_KEYS) and k not in IGNORED_KEYS)
+    own = DRAFTER_KEYS + tuple(f"{name}." for name in variant_of(spec).head_names)
+    extra = sorted(k for k in state if not k.startswith(own) and k not in IGNORED_KEYS)
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         raise UserError(f"{folder}: tensors this project's drafter has no place for ({', '.join(extra[:3])}{more})")
-    return {k: v for k, v in state.items() if k.startswith(DRAFTER_KEYS)}
+    return {k: v for k, v in state.items() if k.startswith(own)}
 
 
 def folder_meta(d: DrafterFolder) -> dict:
@@ -298,7 +308,7 @@ def foreign_folder_problems(folder: Path, num_target_layers: int) -> list[str]:
         check_folder_against_target(d, SimpleNamespace(num_layers=num_target_layers), str(folder))
         with torch.device("meta"):
             embed = torch.nn.Embedding(d.spec.vocab_size, d.spec.hidden_size)
-            drafter = DFlashDrafter(d.spec, embed, embed.weight)
+            drafter = make_drafter(d.spec, embed, embed.weight)
         _load_weights(drafter, folder, assign=True)  # assign: meta parameters take the tensors read
     except UserError as exc:
         return [str(exc)]
@@ -307,7 +317,7 @@ def foreign_folder_problems(folder: Path, num_target_layers: int) -> list[str]:
 
 def _load_weights(drafter: DFlashDrafter, folder: Path, assign: bool = False) -> None:
     try:
-        drafter.load_state_dict({k: v.float() for k, v in drafter_state(folder).items()}, assign=assign)
+        drafter.load_state_dict({k: v.float() for k, v in drafter_state(folder, drafter.spec).items()}, assign=assign)
     except RuntimeError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise UserError(f"drafter {folder}: its weights do not fit its config ({' '.join(lines[1:3])[:300]})") from None
@@ -320,7 +330,7 @@ def load_drafter_folder(folder: Path, target, dtype: torch.dtype = torch.float32
     d = read_drafter_folder(folder)
     check_against_target(d.spec, d.layer_ids, target, f"drafter {folder}")
     check_folder_against_target(d, target, f"drafter {folder}")
-    drafter = DFlashDrafter(d.spec, target.embed_tokens, target.lm_head_weight)
+    drafter = make_drafter(d.spec, target.embed_tokens, target.lm_head_weight)
     _load_weights(drafter, folder)
     return drafter.to(dtype).eval()
 

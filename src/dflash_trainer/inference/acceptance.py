@@ -8,6 +8,7 @@ be measured on held-out packed rows in one pass, without running the decoding lo
     draft_k  = argmax W h_drafter[slot k]             the drafter's chain proposal
     chain:   accepted = longest prefix with draft_k == greedy_k            (0..B-1)
     DDTree:  accepted = depth of the greedy path inside build_tree(log_softmax(W h_drafter[1..B-1]), budget)
+             (a variant whose drafts depend on earlier drafts, DSpark: the node-conditioned tree decoding builds)
     tau = mean(accepted + 1)                          (+1: the target's bonus token)
 
 ``W`` is the target's frozen ``lm_head`` ``[V, H]``; only the selected rows are projected, a few
@@ -19,8 +20,9 @@ attention backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
+from typing import NamedTuple
 
 import torch
 
@@ -30,7 +32,7 @@ from ..errors import UserError
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
 from ..variants import variant_of
-from .ddtree import accepted_in_tree, build_tree
+from .ddtree import DraftTree, accepted_per_budget, draft_tree
 
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512)
 REPORT_FORMAT = "dflash-trainer-eval/1"
@@ -53,6 +55,16 @@ def check_budgets(budgets: Sequence[int]) -> list[int]:
     return sorted({int(b) for b in budgets})
 
 
+class ScoredBlocks(NamedTuple):
+    """A few blocks scored by ``teacher_forced_blocks`` (g blocks, D draft slots each)."""
+
+    draft_logits: torch.Tensor  # [g, D, V] the drafter's raw logits of its draft slots
+    greedy: torch.Tensor  # [g, D] the target's greedy token for each slot
+    tree_of: Callable[[int, int], DraftTree]  # (j, budget) -> block j's DDTree as decoding builds it
+    confidence: torch.Tensor | None  # [g, D] the confidence head's predicted acceptance (DSpark), else None
+    acceptance: torch.Tensor | None  # [g, D] with ``confidence``: sum_v min(p_v, q_v), target p, drafter q
+
+
 @torch.no_grad()
 def teacher_forced_blocks(
     target,
@@ -62,11 +74,14 @@ def teacher_forced_blocks(
     *,
     attention_backend: str = "dense",
     max_logit_elements: int = MAX_LOGIT_ELEMENTS,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[ScoredBlocks]:
     """The one teacher-forced scorer. For ``anchors`` ``[n]`` of a packed ``row`` (``[L]`` tensors),
-    yields ``(draft_logits [g, B-1, V], greedy [g, B-1])`` a few blocks at a time: the drafter's raw
-    head logits of slots 1..B-1 and the target's greedy token for each slot. Each chunk holds at most
-    ``max_logit_elements`` logits (never ``[L x V]``); the drafter runs with ``attention_backend``."""
+    yields ``ScoredBlocks`` a few blocks at a time: the drafter's raw logits of its D draft slots
+    (DFlash: slots 1..B-1), the target's greedy token for each, ``tree_of(j, budget)``, block j's
+    DDTree as decoding builds it (``ddtree.draft_tree``: DSpark's is node-conditioned), and for a
+    drafter with a confidence head its prediction beside the acceptance it predicts. Each chunk holds
+    at most ``max_logit_elements`` logits per tensor (never ``[L x V]``); the drafter runs with
+    ``attention_backend``."""
     b = drafter.spec.block_size
     variant = variant_of(drafter.spec)
     span = b + variant.label_shift(drafter.spec)  # D = span - 1 draft slots (DFlash: B - 1; DSpark: B)
@@ -93,12 +108,33 @@ def teacher_forced_blocks(
             attention_backend,
         ).view(g, b, -1)  # [g, B, H]
         teacher_index = blocks.teacher_index[:, 1:].to(dev)  # [g, D]: the row before each draft's token
-        greedy = (feats.last_hidden[teacher_index].to(head.dtype) @ head.T).argmax(-1)  # [g, D]
+        target_logits = feats.last_hidden[teacher_index].to(head.dtype) @ head.T  # [g, D, V]
+        greedy = target_logits.argmax(-1)  # [g, D]
+        anchor_ids = blocks.input_ids[:, 0].to(dev)
+        confidence = variant.draft_confidence(drafter, hidden, anchor_ids)
+        if confidence is None:  # nothing else reads the target's logits: free them before the drafter's
+            del target_logits
         # [g, D, V]; a variant whose drafts depend on earlier drafts (DSpark's Markov walk) conditions
         # them on the greedy tokens: exact for the chain, which stops at the first mismatch anyway.
-        draft_logits = variant.draft_logits(drafter, hidden, blocks.input_ids[:, 0].to(dev), greedy)
-        yield draft_logits, greedy
-        del draft_logits, hidden
+        draft_logits = variant.draft_logits(drafter, hidden, anchor_ids, greedy)
+        acceptance = None
+        if confidence is not None:  # what the head is trained to predict: sum_v min(p_v, q_v) at T = 1
+            opts = drafter.spec.logit_options
+            p = torch.softmax(transform_logits(target_logits.float(), **opts), dim=-1)
+            q = torch.softmax(transform_logits(draft_logits.float(), **opts), dim=-1)
+            acceptance = torch.minimum(p, q).sum(-1)
+            del p, q, target_logits
+        anchor_ids = anchor_ids.tolist()
+
+        def tree_of(j: int, budget: int, hidden=hidden, draft_logits=draft_logits, anchor_ids=anchor_ids):
+            def log_probs():
+                logits = transform_logits(draft_logits[j].float(), **drafter.spec.logit_options)
+                return torch.log_softmax(logits, dim=-1)
+
+            return draft_tree(variant, drafter, hidden[j], anchor_ids[j], log_probs, budget, span - 1)
+
+        yield ScoredBlocks(draft_logits, greedy, tree_of, confidence, acceptance)
+        del draft_logits, hidden, tree_of
 
 
 @torch.no_grad()
@@ -128,6 +164,8 @@ def acceptance_report(
         reach                   [B-1]  P(accepted >= k); sums to tau - 1
         accepted_histogram      [B]    blocks with 0..B-1 accepted drafts; sums to N
         budgets, ddtree_tau     DDTree tau per budget (same order)
+        confidence              (a drafter with a confidence head, DSpark) per draft slot: mean predicted
+                                and measured acceptance sum_v min(p_v, q_v) at T = 1, and mean |error|
         decode_tau, decode_rounds  (with ``decode_path``)
         blocks, rows, rows_without_blocks, block_size
     """
@@ -139,7 +177,7 @@ def acceptance_report(
     b = drafter.spec.block_size
     span = b + variant_of(drafter.spec).label_shift(drafter.spec)  # D = span - 1 drafts per block
     gen = torch.Generator().manual_seed(seed)
-    accepted_parts, match_parts, tree_parts = [], [], []
+    accepted_parts, match_parts, tree_parts, confidence_parts = [], [], [], []
     rows_used = rows_empty = 0
     was_training = drafter.training
     drafter.eval()
@@ -151,7 +189,7 @@ def acceptance_report(
                 rows_empty += 1
                 continue
             rows_used += 1
-            for draft_logits, greedy in teacher_forced_blocks(
+            for scored in teacher_forced_blocks(
                 target,
                 drafter,
                 row,
@@ -159,17 +197,14 @@ def acceptance_report(
                 attention_backend=attention_backend,
                 max_logit_elements=max_logit_elements,
             ):
-                match = draft_logits.argmax(-1) == greedy  # [g, B-1]
+                match = scored.draft_logits.argmax(-1) == scored.greedy  # [g, D]
                 accepted_parts.append(match.long().cumprod(1).sum(1).cpu())
                 match_parts.append(match.cpu())
-                if budgets:
-                    logits = transform_logits(draft_logits.float(), **drafter.spec.logit_options)
-                    log_probs = torch.log_softmax(logits, dim=-1)
-                    for j, path in enumerate(greedy.tolist()):
-                        tree_parts.append(
-                            [accepted_in_tree(build_tree(log_probs[j], budget), path) for budget in budgets]
-                        )
-                    del logits, log_probs
+                for j, path in enumerate(scored.greedy.tolist() if budgets else []):
+                    # one tree of the largest budget; a smaller budget's tree is its first nodes
+                    tree_parts.append(accepted_per_budget(scored.tree_of(j, budgets[-1]), path, budgets))
+                if scored.confidence is not None:
+                    confidence_parts.append((scored.confidence.double().cpu(), scored.acceptance.double().cpu()))
     finally:
         drafter.train(was_training)
     if not accepted_parts:
@@ -195,6 +230,14 @@ def acceptance_report(
         "budgets": budgets,
         "ddtree_tau": (torch.tensor(tree_parts, dtype=torch.float64) + 1).mean(0).tolist() if budgets else [],
     }
+    if confidence_parts:  # the confidence head's calibration per draft slot, over the same blocks
+        predicted = torch.cat([c for c, _ in confidence_parts])  # [N, D]
+        measured = torch.cat([a for _, a in confidence_parts])
+        report["confidence"] = {
+            "predicted": predicted.mean(0).tolist(),
+            "measured": measured.mean(0).tolist(),
+            "abs_error": (predicted - measured).abs().mean().item(),
+        }
     if decode_path:
         decode = decode_path_acceptance(
             target, drafter, rows, attention_backend=attention_backend, max_logit_elements=max_logit_elements
@@ -232,7 +275,7 @@ def decode_path_acceptance(
             if anchors.numel() == 0:
                 continue
             counts = []
-            for draft_logits, greedy in teacher_forced_blocks(
+            for scored in teacher_forced_blocks(
                 target,
                 drafter,
                 row,
@@ -240,7 +283,7 @@ def decode_path_acceptance(
                 attention_backend=attention_backend,
                 max_logit_elements=max_logit_elements,
             ):
-                counts += (draft_logits.argmax(-1) == greedy).long().cumprod(1).sum(1).tolist()
+                counts += (scored.draft_logits.argmax(-1) == scored.greedy).long().cumprod(1).sum(1).tolist()
             accepted = dict(zip(anchors.tolist(), counts))
             for d in doc[anchors].unique().tolist():  # walk each document from its first valid anchor
                 p = int(anchors[doc[anchors] == d][0])

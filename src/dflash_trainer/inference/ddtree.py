@@ -121,3 +121,29 @@ def accepted_in_tree(tree: DraftTree, greedy: list[int]) -> int:
             break
         depth += 1
     return depth
+
+
+def draft_tree(variant, drafter, hidden: torch.Tensor, anchor: int, log_probs, budget: int, depth: int) -> DraftTree:
+    """A block's DDTree as decoding builds it, ``depth`` draft slots deep: from the distribution
+    conditioned on each node's parent where the variant's drafts depend on each other
+    (``variant.tree_expansion``: DSpark), else the best prefixes of ``log_probs()`` ``[D, V]`` (a
+    callable: DFlash's independent slots' log-probabilities, computed only when needed). ``hidden`` ``[B, H]``."""
+    expansion = variant.tree_expansion(drafter, hidden, anchor)
+    if expansion is None:
+        return build_tree(log_probs(), budget)
+    return build_conditioned_tree(*expansion, depth, budget)
+
+
+def accepted_per_budget(tree: DraftTree, greedy: list[int], budgets: list[int]) -> list[int]:
+    """``accepted_in_tree`` of the tree of each of ``budgets``, from the tree of the largest one: both
+    builders pop nodes best-first and a smaller budget stops earlier, so the tree of budget b is the
+    first b nodes of a larger one, and the greedy path's nodes (parents precede children) are in it
+    as far as their indices are below b."""
+    children = tree.children()
+    path, node = [], -1
+    for token in greedy:
+        node = children.get((node, token), None)
+        if node is None:
+            break
+        path.append(node)
+    return [sum(1 for i in path if i < budget) for budget in budgets]

@@ -34,11 +34,9 @@ from transformers import DynamicCache
 
 from ..data.blocks import sample_anchors
 from ..data.packing import doc_ids_from_positions
-from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter
 from ..variants import block_span
 from .acceptance import MAX_LOGIT_ELEMENTS, EvalInputError, teacher_forced_blocks
-from .ddtree import build_tree
 from .sampling import SampledVerification, sampling_probs
 from .speculative import SpeculativeDecoder, _forward_cache_kwarg
 
@@ -75,18 +73,14 @@ def block_expectations(
     max_budget = max(budgets, default=0)
     # 1. drafts: the chain (argmax per slot) and the largest tree of each block, in anchor order
     blocks = []  # per anchor: (tokens, parents, depths) of the chain nodes followed by the tree nodes
-    for draft_logits, _ in teacher_forced_blocks(
+    for scored in teacher_forced_blocks(
         target, drafter, row, anchors, attention_backend=attention_backend, max_logit_elements=max_logit_elements
     ):
-        chain = draft_logits.argmax(-1).tolist()  # [g, B-1]
-        log_probs = None
-        if max_budget:
-            logits = transform_logits(draft_logits.float(), **drafter.spec.logit_options)
-            log_probs = torch.log_softmax(logits, dim=-1)
+        chain, tree_of = scored.draft_logits.argmax(-1).tolist(), scored.tree_of  # [g, D]
         for j, drafts in enumerate(chain):
             tokens, parents, depths = list(drafts), [-1, *range(b - 2)], list(range(1, b))
             if max_budget:
-                tree = build_tree(log_probs[j], max_budget)
+                tree = tree_of(j, max_budget)  # as decoding builds it (DSpark: node-conditioned)
                 tokens += tree.tokens
                 parents += [-1 if p < 0 else b - 1 + p for p in tree.parents]
                 depths += tree.depths

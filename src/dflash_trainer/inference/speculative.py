@@ -32,7 +32,7 @@ import torch
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetModel
 from ..variants import block_span, variant_of
-from .ddtree import build_conditioned_tree, build_tree
+from .ddtree import draft_tree
 from .sampling import GreedyVerification
 from .target_cache import TargetCache, root_to_leaf_paths
 
@@ -98,12 +98,8 @@ class SpeculativeDecoder:
         depth = block_span(self.drafter.spec) - 1
 
         def tree_of(budget: int):
-            """The block's DDTree: children from the distribution conditioned on their parent's token
-            where the variant's drafts depend on each other (DSpark), else DFlash's independent slots."""
-            expansion = variant.tree_expansion(self.drafter, hidden, anchor)
-            if expansion is None:
-                return build_tree(log_probs, budget)
-            return build_conditioned_tree(*expansion, depth, budget)
+            """The block's DDTree (``ddtree.draft_tree``: node-conditioned for DSpark)."""
+            return draft_tree(variant, self.drafter, hidden, anchor, lambda: log_probs, budget, depth)
 
         return log_probs, drafts, tree_of
 

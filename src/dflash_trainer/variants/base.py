@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..loss import fused_draft_loss, reference_draft_loss
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
@@ -17,6 +18,17 @@ from ..model.drafter import DFlashDrafter, DrafterSpec
 
 class Variant:
     name = "dflash"
+    speculators_type = "dflash"  # the ``speculators_model_type`` of its speculators export
+    head_names: tuple[str, ...] = ()  # attribute names ``heads`` may add (their tensors' name prefixes)
+
+    def read_speculators_config(self, cfg: dict, where: str) -> dict:
+        """The variant options (``DrafterSpec.variant_options``) of a speculators ``config.json`` of this
+        variant's ``speculators_type``, whoever wrote it; ``UserError`` (one line) for what it cannot hold."""
+        if cfg.get("sample_from_anchor"):
+            raise UserError(
+                f"{where}: sample_from_anchor is true (slot 0 drafts too); a DFlash drafter drafts slots 1..B-1"
+            )
+        return {}
 
     def label_shift(self, spec: DrafterSpec) -> int:
         """Slot k predicts the token at ``anchor + k + label_shift``; a block spans B + shift row tokens."""
@@ -88,6 +100,11 @@ class Variant:
         (``anchors`` ``[g]`` their anchor tokens, ``greedy`` ``[g, D]`` the target's greedy tokens)."""
         head = drafter.lm_head_weight
         return hidden[:, 1:].to(head.dtype) @ head.T
+
+    def draft_confidence(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
+        """``[g, D]`` predicted acceptance of each draft slot of blocks ``hidden`` ``[g, B, H]`` (a
+        confidence head's, along the drafts ``draft_logits`` reads), or None: DFlash has no such head."""
+        return None
 
     @torch.no_grad()
     def propose(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 
+from ..config.variants import DSparkSettings
+from ..errors import UserError
 from ..loss import fused_draft_loss, reference_draft_loss
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
@@ -86,6 +89,26 @@ def _options(spec: DrafterSpec) -> dict:
 
 class DSparkVariant(Variant):
     name = "dspark"
+    speculators_type = "dspark"
+    head_names = ("markov_head", "confidence_head")
+
+    def read_speculators_config(self, cfg: dict, where: str) -> dict:
+        """The heads' settings of a speculators ``dspark`` config (``speculators_config`` above); a
+        missing field takes DSpark's default. Training-only settings (loss weights) are DSpark's defaults."""
+        fields = {
+            "markov_rank": "markov_rank",
+            "markov_head_type": "markov_head_type",
+            "sample_from_anchor": "sample_from_anchor",
+            "confidence_head": "enable_confidence_head",
+            "confidence_head_with_markov": "confidence_head_with_markov",
+        }
+        given = {ours: cfg[theirs] for ours, theirs in fields.items() if cfg.get(theirs) is not None}
+        try:
+            return DSparkSettings(**given).model_dump()
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            name = fields.get(str(err["loc"][0]), err["loc"][0])
+            raise UserError(f"{where}: {name} {err.get('input')!r}: {err['msg']}") from None
 
     def label_shift(self, spec: DrafterSpec) -> int:
         return 1 if _options(spec)["sample_from_anchor"] else 0
@@ -233,6 +256,10 @@ class DSparkVariant(Variant):
         acceptance is the same as conditioning on the target's greedy tokens (the chain stops at the
         first mismatch), and the sampled chain is the drafts decoding really verifies."""
         return self.walk(drafter, hidden, anchors)[0]
+
+    def draft_confidence(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
+        """``[g, D]``: the confidence head's sigmoid along the Markov walk (None without the head)."""
+        return self.walk(drafter, hidden, anchors)[2]
 
     @torch.no_grad()
     def walk(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
