@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "chunk_epilogue.cpp"
-FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
 # Tried in order: a compiler without OpenMP builds the kernel single-threaded (Python threads split the
 # rows), one without -march=native (some clang targets) for the baseline instruction set.
 OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
