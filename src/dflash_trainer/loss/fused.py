@@ -35,8 +35,8 @@ Three implementations of a chunk's element-wise work, same math, tested equal in
 
 The two kernels keep ``c*V*12`` bytes of buffers with an fp32 head, ``c*V*6`` with bf16, plus the
 same CAP subset. DSpark's per-row terms (acceptance, Renyi-1/2, D-PARD credit) run in the native
-kernel's row pass and in the eager passes (``PER_ROW_KINDS``); where inductor would run, such a call
-runs the eager passes. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
+and Triton kernels' row passes and in the eager passes (``PER_ROW_KINDS``); where inductor would run,
+such a call runs the eager passes. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
 another implementation.
 """
 
@@ -460,7 +460,7 @@ def _graph_count() -> int:
 
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # heads the Triton kernel takes (loss/triton_epilogue.py)
 # The chunk epilogues that compute DSpark's per-row terms in their row pass (the others give way to the eager passes).
-PER_ROW_KINDS = ("native", "eager")
+PER_ROW_KINDS = ("native", "triton", "eager")
 COMPILE_CHOICES = (True, False, "auto", "native", "triton", "inductor")
 
 
@@ -568,9 +568,20 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def _triton_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
-    """The Triton kernel (``loss/triton_epilogue.py``): row terms, G in ``g_out``."""
+    """The Triton kernel (``loss/triton_epilogue.py``): row terms (and DSpark's per-row terms), G in ``g_out``."""
     return triton_epilogue().chunk_epilogue(
-        zs_raw, zt_raw, y, coef, g_out, t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap
+        zs_raw,
+        zt_raw,
+        y,
+        coef,
+        g_out,
+        t.kl_weight,
+        t.temperature,
+        t.cap_temperature,
+        t.logit_scale,
+        t.softcap,
+        t.renyi_weight,
+        t.per_row_terms,
     )
 
 
@@ -1049,8 +1060,8 @@ def fused_draft_loss(
       loss is ``sum_t W_t l_t / (rows with weight > 0)`` (speculators' normalization).
 
     These per-row terms need the teacher. They are computed in the chunk's row pass with the other
-    terms: in the native CPU kernel (the CPU's default) and in the eager passes; a call that would
-    run another kernel (``PER_ROW_KINDS`` lists those that take them) runs the eager passes.
+    terms: in the native CPU kernel (the CPU's default), the Triton kernel (CUDA's) and the eager
+    passes; a call that would run inductor's kernel runs the eager passes (``PER_ROW_KINDS``).
     """
     hs, ht, w_head = student_hidden, teacher_hidden, lm_head_weight
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))
