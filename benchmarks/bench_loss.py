@@ -14,6 +14,13 @@ fp32 plus three fp32 ``[c, V]`` buffers (raw student and teacher logits, G), ``N
 Efficiency against the GEMM floor is ``--efficiency``'s (below). Loss terms: CE blended with 15% soft KL (T=1), the terms all three implement; the fused loss is
 also run with CAP on (the ddtree-experiment terms).
 
+The Markov head (``--markov`` alone, or as part of the full run): DSpark's loss as the dspark preset's
+defaults use it on the tiny demo (CE with data labels, the Markov bias of rank 256 folded into the
+head GEMM, the per-row acceptance the confidence head trains on, so the teacher's logits too), against
+the same loss without the Markov head (CE + acceptance) and DFlash's (CE alone), at the tiny demo's
+shape (N = 32 anchors x 8 = 256 rows, H = 256, V = 8,192) and at V = 151,936 (N = 4,096); each with
+``compile="auto"`` (the native kernel) in its own process, as above.
+
 GEMM-floor efficiency (``--efficiency``, fp32 and bf16, first shape): in ONE process, the GEMM
 floor and each implementation run interleaved, repeated, the order rotating each repetition. The
 floor is the wall time of the three GEMMs any exact implementation must do, at the same chunk size
@@ -46,6 +53,14 @@ CHUNK = 128  # rows per chunk for the fused loss and for Liger
 TERMS = {"kl_weight": 0.15, "temperature": 1.0}
 # The fused loss's implementations of a chunk's element-wise work (fused_draft_loss's `compile`).
 KERNELS = {"fused (native)": "native", "fused (inductor)": "inductor", "fused (eager)": False}
+MARKOV_SHAPES = [(256, 256, 8192), (4096, 256, 151_936)]  # the tiny demo's loss (32 x 8 rows), and V = 151,936
+MARKOV_RANK = 256  # drafter.dspark.markov_rank's default
+# name -> fused_draft_loss's DSpark arguments (CE with data labels, as the tiny demo's loss section)
+MARKOV_VARIANTS = {
+    "dflash (CE)": {},
+    "dspark without Markov head (CE + acceptance)": {"acceptance": True},
+    "dspark (CE + acceptance + Markov r=256)": {"acceptance": True, "bias": True},
+}
 MACHINE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -64,10 +79,32 @@ def make_inputs(n: int, h: int, v: int):
     return hs, ht, w_head, labels, weights
 
 
+def markov_inputs(n: int, v: int, r: int = MARKOV_RANK):
+    """The Markov bias's trainable inputs: features ``[N, r]`` (``W1[prev]``) and ``W2`` ``[V, r]``."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n, r, generator=g) * 0.05).requires_grad_(), (
+        torch.randn(v, r, generator=g) * 0.05
+    ).requires_grad_()
+
+
 def loss_step(variant: str, hs, ht, w_head, labels, weights):
     """One forward+backward of ``variant`` on these inputs: "fused" (``compile="auto"``), "fused+cap",
-    a ``KERNELS`` name, "reference" or "liger" (the caller clears ``hs.grad``)."""
-    if variant.startswith("fused"):
+    a ``KERNELS`` name, "reference", "liger" or a ``MARKOV_VARIANTS`` name (the caller clears the grads)."""
+    if variant in MARKOV_VARIANTS:
+        from dflash_trainer.loss import fused_draft_loss
+
+        kw = dict(MARKOV_VARIANTS[variant])
+        if kw.pop("bias", False):
+            kw["bias_rows"], kw["bias_weight"] = markov_inputs(hs.shape[0], w_head.shape[0])
+        teacher = ht if kw.get("acceptance") else None  # DFlash's CE needs no teacher states
+
+        def step():
+            loss, _ = fused_draft_loss(hs, teacher, w_head, labels, weights, chunk_size=CHUNK, **kw)
+            loss.backward()
+            for x in (kw.get("bias_rows"), kw.get("bias_weight")):
+                if x is not None:
+                    x.grad = None
+    elif variant.startswith("fused"):
         from dflash_trainer.loss import fused_draft_loss
 
         extra = {"cap_weight": 0.1} if variant == "fused+cap" else {}
@@ -144,6 +181,68 @@ def worker(variant: str, n: int, h: int, v: int, reps: int) -> dict:
     else:  # seed scale: one pass only, timed while memory is measured
         result["time_s"], result["timed_in_memory_pass"] = memory_pass_s, True
     return result
+
+
+def markov_formula(n: int, h: int, v: int, bias: bool) -> int:
+    """Bytes the fused loss keeps beyond its inputs with the native kernel: ``dh`` and the three
+    ``[c, V]`` buffers, plus with the Markov head its gradients ``d f`` ``[N, r]`` and ``d W2`` ``[V, r]``
+    (fp32) and their copies as the backward hands them out."""
+    return n * h * 4 + CHUNK * v * 12 + (2 * (n + v) * MARKOV_RANK * 4 if bias else 0)
+
+
+def run_markov() -> list[dict]:
+    rows = []
+    for n, h, v in MARKOV_SHAPES:
+        reps = 20 if n * v < 10**7 else 3
+        for variant, kw in MARKOV_VARIANTS.items():
+            row = {"N": n, "H": h, "V": v, "r": MARKOV_RANK if kw.get("bias") else 0, "variant": variant}
+            row["formula_bytes"] = markov_formula(n, h, v, kw.get("bias", False))
+            print(f"N={n} H={h} V={v} {variant} ...", flush=True)
+            row.update(run_worker(variant, n, h, v, reps, timeout=1800))
+            rows.append(row)
+            print("   ", {k: row[k] for k in row if k not in ("N", "H", "V")}, flush=True)
+    return rows
+
+
+def markov_markdown(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        f"## DSpark's Markov head in the loss (rank {MARKOV_RANK})",
+        "",
+        "CE with data labels (the tiny demo's loss terms), chunk "
+        f'{CHUNK} rows, fp32, `compile="auto"` (the native kernel, with the per-row acceptance in its row '
+        "pass). Formula: N*H*4 + c*V*12, plus 2*(N + V)*r*4 with the head (d f, d W2 and their copies).",
+        "",
+        "| N | H | V | variant | fwd+bwd s | peak extra MB | formula MB | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = f"{r['time_s']:.4f}" if "time_s" in r else "-"
+        mem = f"{r['peak_extra_bytes'] / 2**20:.1f}" if "peak_extra_bytes" in r else "-"
+        lines.append(
+            f"| {r['N']} | {r['H']} | {r['V']} | {r['variant']} | {t} | {mem} | "
+            f"{r['formula_bytes'] / 2**20:.1f} | {r.get('skipped', '')} |"
+        )
+    lines += ["", "With vs without the Markov head (same shape, same terms otherwise):", ""]
+    names = list(MARKOV_VARIANTS)
+    for n, h, v in sorted({(r["N"], r["H"], r["V"]) for r in rows}, key=lambda x: x[0] * x[2]):
+        by = {r["variant"]: r for r in rows if (r["N"], r["H"], r["V"]) == (n, h, v)}
+        plain, no_head, head = (by.get(name, {}) for name in names)
+        if "time_s" not in head or "time_s" not in no_head:
+            continue
+        part = (
+            f"- N={n} V={v}: the head costs {head['time_s'] / no_head['time_s']:.2f}x the time and "
+            f"{head['peak_extra_bytes'] / max(no_head['peak_extra_bytes'], 1):.2f}x the peak extra memory of "
+            f"the loss without it ({head['time_s']:.4f} vs {no_head['time_s']:.4f} s, "
+            f"{head['peak_extra_bytes'] / 2**20:.1f} vs {no_head['peak_extra_bytes'] / 2**20:.1f} MB)"
+        )
+        if "time_s" in plain:
+            part += (
+                f"; DSpark's loss against DFlash's CE: {head['time_s'] / plain['time_s']:.2f}x the time, "
+                f"{head['peak_extra_bytes'] / max(plain['peak_extra_bytes'], 1):.2f}x the memory"
+            )
+        lines.append(part + ".")
+    return lines
 
 
 def run_worker(variant: str, n: int, h: int, v: int, reps: int, timeout: int) -> dict:
@@ -297,6 +396,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--render", action="store_true", help="only re-render results/loss.md from results/loss.json")
     parser.add_argument("--efficiency", action="store_true", help="only the GEMM-floor efficiency (fp32 and bf16)")
+    parser.add_argument("--markov", action="store_true", help="only the Markov-head cases (results/loss_markov.*)")
     parser.add_argument("--threads", type=int, nargs="+", default=[2], help="thread counts for --efficiency")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions for --efficiency")
     parser.add_argument(
@@ -315,6 +415,19 @@ def main() -> None:
     if args.worker:
         variant, n, h, v, reps = args.worker
         print(json.dumps(worker(variant, int(n), int(h), int(v), int(reps))))
+        return
+    if args.markov:
+        torch.set_num_threads(2)
+        markov_rows = run_markov()
+        meta = {"cpus": os.cpu_count(), "threads": 2, "torch": torch.__version__, "chunk": CHUNK}
+        meta["date"], meta["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/bench_loss.py --markov"
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "loss_markov.json").write_text(json.dumps({"meta": meta, "rows": markov_rows}, indent=2) + "\n")
+        text = f"# Markov head in the draft loss ({meta['date']}, `{meta['command']}`)\n" + "\n".join(
+            markov_markdown(markov_rows)
+        )
+        (RESULTS / "loss_markov.md").write_text(text + "\n")
+        print(text)
         return
 
     torch.set_num_threads(2)
@@ -342,6 +455,7 @@ def main() -> None:
                 ref_bytes_per_logit = row["peak_extra_bytes"] / (n * v)
             rows.append(row)
             print("   ", {k: row[k] for k in row if k not in ("N", "H", "V")}, flush=True)
+    markov_rows = [] if args.quick else run_markov()
 
     RESULTS.mkdir(exist_ok=True)
     meta = {
@@ -354,12 +468,13 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "command": "python benchmarks/bench_loss.py" + (" --quick" if args.quick else ""),
     }
-    (RESULTS / "loss.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (RESULTS / "loss.md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    data = {"meta": meta, "rows": rows, "markov_rows": markov_rows}
+    (RESULTS / "loss.json").write_text(json.dumps(data, indent=2) + "\n")
+    (RESULTS / "loss.md").write_text(markdown(rows, meta, markov_rows))
+    print(markdown(rows, meta, markov_rows))
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def markdown(rows: list[dict], meta: dict, markov_rows: list[dict] = ()) -> str:
     lines = [
         f"# Draft loss benchmark ({meta['date']}, {meta['cpus']} CPUs, {meta['threads']} threads, torch {meta['torch']})",
         "",
@@ -400,6 +515,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     f"the {other}'s predicted peak [>= 10x at the second shape]"
                 )
         lines.append("; ".join(parts) + ".")
+    if markov_rows:
+        lines += markov_markdown(markov_rows)
     return "\n".join(lines) + "\n"
 
 
@@ -410,7 +527,7 @@ def fused_speed(fused: dict, other: dict) -> str:
 def render(path: Path) -> None:
     """Rewrite the Markdown table from a results JSON (no measurement)."""
     data = json.loads(path.read_text())
-    (path.with_suffix(".md")).write_text(markdown(data["rows"], data["meta"]))
+    (path.with_suffix(".md")).write_text(markdown(data["rows"], data["meta"], data.get("markov_rows", [])))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ into the chunked head GEMM (gradients of the features and of W2), acceptance, Re
 import pytest
 import torch
 
-from dflash_trainer.loss import fused_draft_loss, reference_draft_loss
+from dflash_trainer.loss import fused, fused_draft_loss, native, reference_draft_loss
 from dflash_trainer.loss.fused import _chunk_bounds
+from dflash_trainer.loss.logits import transform_logits
 
 F64 = torch.float64
 
@@ -38,6 +39,11 @@ CASES = {
     "dpard": dict(dpard=True, dpard_alpha=0.5, kl_weight=1.0),
     "dspark_all": dict(bias=True, renyi_weight=0.5, dpard=True, dpard_alpha=0.3, kl_weight=0.4, cap_weight=0.1),
     "teacher_labels": dict(bias=True, renyi_weight=0.3, label_source="teacher", acceptance=True),
+    # KL at T != 1 (the kernel keeps the teacher at T = 1 apart), Tc != 1, a softcap, D-PARD with the bias
+    "renyi_tempered_softcap": {
+        **dict(bias=True, renyi_weight=0.6, kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8),
+        **dict(softcap=2.5, logit_scale=0.8, dpard=True),
+    },
 }
 
 
@@ -125,7 +131,7 @@ def test_markov_bias_never_allocates_positions_by_vocab(compiled):
     w2 = (torch.randn(v, r, generator=g) * 0.1).requires_grad_()
     labels = torch.randint(0, v, (n,), generator=g)
     weights = torch.ones(n)
-    per_row = dict(renyi_weight=0.5, dpard=True, block_ids=torch.arange(n) // 16) if compiled is False else {}
+    per_row = dict(renyi_weight=0.5, dpard=True, block_ids=torch.arange(n) // 16)
     with OpRecorder() as rec:
         loss, _ = fused_draft_loss(
             hs,
@@ -146,3 +152,114 @@ def test_markov_bias_never_allocates_positions_by_vocab(compiled):
     assert rec.largest < n * v, f"a tensor with {rec.largest} elements (N x V = {n * v}) was allocated"
     assert rec.largest <= 256 * v
     assert torch.isfinite(w2.grad).all() and w2.grad.abs().max() > 0
+    # the eager passes' acceptance (torch.minimum over [c, V]) ran only where asked: the kernel has its own
+    assert (rec.count("minimum") > 0) == (compiled is False)
+
+
+def test_per_row_terms_run_in_the_native_kernel_on_the_cpu(monkeypatch):
+    """compile="auto" on the CPU keeps the native kernel with DSpark's terms on; a kernel without them
+    (inductor, and Triton for now) gives way to the eager passes, and the planner sees the same."""
+    monkeypatch.delenv(fused.COMPILE_ENV, raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float32, F64):
+        assert fused.epilogue_kind("auto", cpu, dtype, 10**9, per_row=True) == "native"
+    assert fused.epilogue_kind("inductor", cpu, torch.float32, 10**9, per_row=True) == "eager"
+    assert fused.epilogue_kind("inductor", cpu, torch.float32, 10**9) == "inductor"
+    gpu = fused.planned_epilogue("auto", "cuda", torch.bfloat16, 10**9, per_row=True)
+    assert gpu == ("triton" if "triton" in fused.PER_ROW_KINDS else "eager")
+    assert fused.epilogue_kind(False, cuda, torch.bfloat16, 10, per_row=True) == "eager"
+
+
+def raw_rows(rows=9, v=3000, seed=0, dtype=F64):
+    """Raw logits of a chunk (three kernel blocks, the last ragged), teacher near the student."""
+    g = torch.Generator().manual_seed(seed)
+    zs = torch.randn(rows, v, generator=g, dtype=F64) * 3
+    zt = zs + torch.randn(rows, v, generator=g, dtype=F64) * 1.5
+    labels = torch.randint(0, v, (rows,), generator=g)
+    coef = torch.rand(rows, generator=g, dtype=F64) / rows
+    return zs.to(dtype), zt.to(dtype), labels, coef
+
+
+KERNEL_CASES = {  # (kl_weight, T, Tc, scale, softcap, renyi_weight, teacher labels)
+    "no_kl": (0.0, 1.0, 1.0, 1.0, None, 0.7, False),
+    "kl_T1": (0.4, 1.0, 1.0, 1.0, None, 0.5, False),  # the teacher's e^u serves both KL and the per-row terms
+    "kl_tempered_softcap": (0.3, 1.7, 0.8, 0.9, 4.0, 0.6, False),
+    "acceptance_only_teacher_labels": (0.2, 1.0, 1.3, 1.0, None, 0.0, True),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_native_kernel_per_row_terms_float64(name):
+    """The kernel alone on raw logits: acceptance, Renyi and G against autograd of the row loss
+    sum_r coef_r [(1-a) CE + a T^2 KL + beta Renyi] w.r.t. the raw logits (float64); the DFlash row
+    terms and G are unchanged by the flag where beta = 0."""
+    a, temp, tc, scale, cap, beta, teacher_labels = KERNEL_CASES[name]
+    zs, zt, labels, coef = raw_rows()
+    y = None if teacher_labels else labels
+    g = torch.empty_like(zs)
+    out = native.chunk_epilogue(zs, zt, y, coef, g, a, temp, tc, scale, cap, beta, True)
+    lse, z_y, s_arg, t_arg, entropy, kl, accept, renyi = out
+
+    raw = zs.clone().requires_grad_()
+    z, w = transform_logits(raw, scale, cap), transform_logits(zt, scale, cap)
+    p, q = torch.softmax(z, -1), torch.softmax(w, -1)
+    target = w.argmax(-1) if teacher_labels else labels
+    ce = torch.nn.functional.cross_entropy(z, target, reduction="none")
+    log_qT, log_pT = torch.log_softmax(w / temp, -1), torch.log_softmax(z / temp, -1)
+    kl_ref = (log_qT.exp() * (log_qT - log_pT)).sum(-1)
+    renyi_ref = -2 * (p * q).sqrt().sum(-1).log()
+    row_loss = (1 - a) * ce + a * temp**2 * kl_ref + beta * renyi_ref
+    (grad,) = torch.autograd.grad((coef * row_loss).sum(), raw)
+    assert (accept - torch.minimum(p, q).sum(-1)).abs().max().item() < 1e-13
+    assert (renyi - renyi_ref).abs().max().item() < 1e-12
+    assert (lse - torch.logsumexp(z, -1)).abs().max().item() < 1e-12
+    assert (kl - (kl_ref if a > 0 else 0)).abs().max().item() < 1e-12
+    assert torch.equal(t_arg, w.argmax(-1)) and torch.equal(s_arg, z.argmax(-1))
+    assert (g - grad).abs().max().item() < 1e-15, (g - grad).abs().max().item()
+    assert 0.05 < accept.min().item() and accept.max().item() < 1.0  # the test data is informative
+    without = native.chunk_epilogue(zs, zt, y, coef, g_plain := torch.empty_like(zs), a, temp, tc, scale, cap)
+    for x, x0 in zip(out[:6], without):
+        assert torch.equal(x, x0)
+    if beta == 0:
+        assert torch.equal(g, g_plain)
+    rows_only = native.chunk_epilogue(zs, zt, y, coef, None, a, temp, tc, scale, cap, beta, True)
+    for x, x0 in zip(rows_only, out):  # no gradient: the same row terms
+        assert x0 is None if x is None else torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_per_row_rows_do_not_depend_on_threads(dtype):
+    zs, zt, labels, coef = raw_rows(rows=37, dtype=dtype)
+    coef = coef.float()
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            for cap in (None, 4.0):
+                g = torch.empty_like(zs)
+                out = native.chunk_epilogue(zs, zt, labels, coef, g, 0.3, 1.7, 0.8, 0.9, cap, 0.5, True)
+                results.append([*out, g])
+    finally:
+        torch.set_num_threads(threads)
+    for one, three in zip(results[:2], results[2:]):
+        for x, y in zip(one, three):
+            assert torch.equal(x, y)
+
+
+def test_native_per_row_terms_in_float32_and_bf16():
+    """Every DSpark term at once through compile="auto" (the native kernel): fp32 against the float64
+    reference to fp32 accuracy; a bf16 head (G and the bias in bf16) within bf16's rounding of it."""
+    case = CASES["dspark_all"]
+    inputs = make_inputs(n=60, h=32, v=3000, r=8, seed=1)
+    ref_loss, ref_m = _call(reference_draft_loss, case, *inputs)
+    ref_grads = torch.autograd.grad(ref_loss, [inputs[0], inputs[5], inputs[6]])
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3e-2)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (inputs[0], inputs[5], inputs[6])]
+        hs, e, w2 = leaves
+        ht, w_head, labels, weights, slots, blocks = inputs[1].to(dtype), inputs[2].to(dtype), *inputs[3:5], *inputs[7:]
+        loss, m = _call(fused_draft_loss, case, hs, ht, w_head, labels, weights.to(dtype), e, w2, slots, blocks)
+        grads = torch.autograd.grad(loss, leaves)
+        assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) < tol, dtype
+        assert (m["accept_rows"].double() - ref_m["accept_rows"]).abs().max().item() < tol, dtype
+        for got, want in zip(grads, ref_grads):
+            assert (got.double() - want).norm().item() / want.norm().item() < 4 * tol, dtype

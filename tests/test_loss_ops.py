@@ -38,6 +38,20 @@ def test_opcheck(want_grad):
     torch.library.opcheck(fused.fused_draft_loss_backward_op, (dh, torch.tensor(0.5), torch.bfloat16))
 
 
+@pytest.mark.parametrize("policy", ["native", "false"])
+@pytest.mark.parametrize("want_grad", [True, False])
+def test_opcheck_with_dspark_terms(want_grad, policy):
+    """The same checks with every DSpark input on (Markov bias, Renyi, acceptance, D-PARD): the native
+    kernel computes the per-row terms in its row pass, the eager passes in theirs."""
+    args = list(op_args(n=15, want_grad=want_grad))
+    args[15] = policy
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(15, 3, generator=g, dtype=F64).requires_grad_(want_grad)
+    bias_weight = torch.randn(40, 3, generator=g, dtype=F64).requires_grad_(want_grad)
+    block_ids = torch.arange(15) // 5
+    torch.library.opcheck(fused.fused_draft_loss_op, (*args, rows, bias_weight, block_ids, 0.4, True, True, 0.5))
+
+
 def small_drafter():
     torch.manual_seed(0)
     cfg = Qwen3Config(

@@ -88,3 +88,72 @@ def test_triton_epilogue_matches_the_native_kernel(name, dtype):
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     scale = g_native.float().abs().amax(1, keepdim=True)
     assert ((g_native.float() - g_triton.float()).abs() / scale).max().item() < tol, name
+
+
+PER_ROW_CASES = {  # (kl_weight, T, Tc, scale, softcap, renyi_weight, teacher labels)
+    "renyi_no_kl": (0.0, 1.0, 1.0, 1.0, None, 0.7, False),
+    "renyi_kl_T1": (0.4, 1.0, 1.0, 1.0, None, 0.5, False),  # e^u serves KL and the per-row terms
+    "renyi_kl_tempered_softcap": (0.3, 1.7, 0.8, 0.9, 4.0, 0.6, False),  # the teacher's raw logits are kept
+    "acceptance_only_teacher_labels": (0.2, 1.0, 1.3, 1.0, None, 0.0, True),
+}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(PER_ROW_CASES))
+def test_triton_per_row_terms_match_the_native_kernel(name, dtype, grad):
+    """DSpark's acceptance, Renyi value and G with the Renyi gradient, Triton against the native kernel."""
+    a, temp, tc, scale, cap, beta, teacher_labels = PER_ROW_CASES[name]
+    zs, zt, labels, coef = raw_chunk(dtype)
+    y = None if teacher_labels else labels
+    terms = (a, temp, tc, scale, cap, beta, True)
+    g_native = torch.empty_like(zs) if grad else None
+    g_triton = torch.empty_like(zs) if grad else None
+    ref = native.chunk_epilogue(zs, zt, y, coef, g_native, *terms)
+    out = kernel.chunk_epilogue(zs, zt.clone(), y, coef, g_triton, *terms)
+    assert len(ref) == len(out) == 8
+    names = ("lse", "z_y", "s_arg", "t_arg", "entropy", "kl", "accept", "renyi")
+    for what, x, x_ref in zip(names, out, ref):
+        if x_ref.is_floating_point():
+            assert (x - x_ref).abs().max().item() < 2e-5 * (1 + x_ref.abs().max().item()), (name, what)
+        else:
+            assert torch.equal(x, x_ref), (name, what)
+    assert 0.05 < ref[6].median().item() and ref[6].max().item() < 1.0  # row 0 has an injected tie: its a is tiny
+    if grad:
+        tol = 1e-6 if dtype == torch.float32 else 2**-7
+        scale_g = g_native.float().abs().amax(1, keepdim=True)
+        assert ((g_native.float() - g_triton.float()).abs() / scale_g).max().item() < tol, name
+
+
+DSPARK_CASES = {
+    "bias_acceptance": dict(bias=True, acceptance=True),
+    "renyi_kl_cap": dict(bias=True, renyi_weight=0.4, kl_weight=0.2, cap_weight=0.1),
+    "dpard_tempered_softcap": dict(
+        bias=True, renyi_weight=0.5, dpard=True, kl_weight=0.3, temperature=1.7, softcap=2.5, logit_scale=0.8
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DSPARK_CASES))
+def test_triton_dspark_terms_float32_match_the_float64_reference(name):
+    """The Markov bias, acceptance, Renyi and D-PARD through compile="triton" in fp32 against the
+    float64 reference: loss, gradients of the student rows, the bias features and W2, accept_rows."""
+    from test_loss_dspark import _call
+    from test_loss_dspark import make_inputs as dspark_inputs
+
+    case = DSPARK_CASES[name]
+    inputs = dspark_inputs(n=40, h=16, v=V, r=6)
+    ref, ref_m = _call(reference_draft_loss, case, *inputs)
+    wrt = [inputs[0], inputs[5], inputs[6]] if case.get("bias") else [inputs[0]]
+    ref_grads = torch.autograd.grad(ref, wrt)
+    hs, e, w2 = (x.detach().float().requires_grad_() for x in (inputs[0], inputs[5], inputs[6]))
+    ht, w_head, labels, weights = inputs[1].float(), inputs[2].float(), inputs[3], inputs[4].float()
+    loss, m = _call(
+        fused_draft_loss, case, hs, ht, w_head, labels, weights, e, w2, *inputs[7:], chunk_size=12, compile="triton"
+    )
+    grads = torch.autograd.grad(loss, [hs, e, w2] if case.get("bias") else [hs])
+    assert abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-5, name
+    for got, want in zip(grads, ref_grads):
+        assert (got.double() - want).norm().item() / want.norm().item() < 1e-5, name
+    assert (m["accept_rows"].double() - ref_m["accept_rows"]).abs().max().item() < 1e-5
+    assert abs(m["renyi"].item() - ref_m["renyi"].item()) < 1e-5 * (1 + abs(ref_m["renyi"].item()))

@@ -34,7 +34,9 @@ Three implementations of a chunk's element-wise work, same math, tested equal in
   dtype and vocabulary (``COMPILE_SECONDS`` records how long).
 
 The two kernels keep ``c*V*12`` bytes of buffers with an fp32 head, ``c*V*6`` with bf16, plus the
-same CAP subset. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
+same CAP subset. DSpark's per-row terms (acceptance, Renyi-1/2, D-PARD credit) run in the native
+and Triton kernels' row passes and in the eager passes (``PER_ROW_KINDS``); where inductor would run,
+such a call runs the eager passes. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
 another implementation.
 """
 
@@ -103,13 +105,17 @@ class ChunkBias:
         else:
             z_raw.add_(self.e @ self.w2.T)
 
-    def backward(self, g: torch.Tensor) -> None:
-        """``de = G @ W2``, ``dw2 += G^T @ e`` for the chunk's gradient ``G`` ``[c, V]`` w.r.t. raw logits."""
+    def backward(self, g: torch.Tensor, row_scale: torch.Tensor | None = None) -> None:
+        """``de = G @ W2``, ``dw2 += G^T @ e`` for the chunk's gradient ``G`` ``[c, V]`` w.r.t. raw logits;
+        ``row_scale`` ``[c]`` (compute dtype) multiplies G's rows first, applied to the ``[c, r]`` sides."""
         if self.de is None:
             return
-        gw = g.to(self.w2.dtype)
+        gw, e = g.to(self.w2.dtype), self.e
         self.de.copy_(gw @ self.w2)
-        self.dw2.add_((gw.T @ self.e).to(self.dw2.dtype))
+        if row_scale is not None:  # diag(s) G @ W2 and G^T @ diag(s) e
+            self.de.mul_(row_scale[:, None])
+            e = (e.to(row_scale.dtype) * row_scale[:, None]).to(e.dtype)
+        self.dw2.add_((gw.T @ e).to(self.dw2.dtype))
 
 
 def chunk_rows(vocab_size: int, chunk_size: int | None, memory_budget: int | None) -> int:
@@ -265,18 +271,29 @@ def _kernel_chunk(
     epilogue, hs_rows, ht_rows, weight, y_data, coef, t: LossTerms, buffers, dh_rows, bias=None, credit=None, extra=None
 ):
     """One chunk with a kernel for the element-wise work: the logit GEMMs in the head's dtype (the
-    Markov ``bias`` added to the raw student logits), then ``epilogue`` (``_native_epilogue`` or
-    ``_inductor_epilogue``: row terms, G in the head's dtype), then ``G @ W`` (and the bias's
-    gradients). Same returns as ``_eager_chunk``; None if the epilogue failed to compile (the caller
-    then runs the eager passes). DSpark's per-row terms run in the eager passes (``_loss_forward``)."""
+    Markov ``bias`` added to the raw student logits), then ``epilogue`` (``_native_epilogue``,
+    ``_triton_epilogue`` or ``_inductor_epilogue``: row terms, G in the head's dtype), then ``G @ W``
+    (and the bias's gradients). Same returns as ``_eager_chunk``; None if the epilogue failed to
+    compile (the caller then runs the eager passes).
+
+    DSpark's per-row terms (``t.per_row_terms``; kernels in ``PER_ROW_KINDS``) come out of the same
+    row pass: acceptance and Renyi value per row, the Renyi gradient inside G. With D-PARD a row's
+    coefficient is its block's credit, known only once the kernel has the acceptance of all the
+    block's rows: the kernel then writes G with coefficient 1, and the credit scales G's rows on the
+    small sides of the GEMMs that follow (``[c, H]``, ``[c, r]``), never as another pass over G."""
     zs_raw = torch.mm(hs_rows, weight.T, out=buffers["zs"])  # [c, V] untransformed
     if bias is not None:
         bias.add_to(zs_raw)
     zt_raw = torch.mm(ht_rows, weight.T, out=buffers["zt"]) if ht_rows is not None else None
     g = buffers["g"] if dh_rows is not None else None
-    out = epilogue(zs_raw, zt_raw, y_data, coef, g, t)
+    out = epilogue(zs_raw, zt_raw, y_data, torch.ones_like(coef) if credit is not None else coef, g, t)
     if out is None:
         return None
+    if t.per_row_terms:
+        *out, accept, renyi = out
+        if credit is not None:
+            coef = credit(accept)
+        extra.update(accept=accept, renyi=renyi)
     if extra is not None:
         extra.update(coef=coef)
     if g is not None:
@@ -284,8 +301,10 @@ def _kernel_chunk(
             torch.mm(g, weight, out=dh_rows)
         else:
             dh_rows.copy_(torch.mm(g, weight, out=buffers["dh"][: g.shape[0]]))
+        if credit is not None:
+            dh_rows.mul_(coef[:, None])
         if bias is not None:
-            bias.backward(g)
+            bias.backward(g, coef if credit is not None else None)
 
     def logits_of(idx):
         return _transformed(zs_raw[idx].to(coef.dtype), t)
@@ -294,9 +313,21 @@ def _kernel_chunk(
 
 
 def _native_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
-    """The row-resident CPU kernel (``loss/native.py``): row terms, G in ``g_out``."""
+    """The row-resident CPU kernel (``loss/native.py``): row terms (with DSpark's per-row terms,
+    acceptance and Renyi after them), G in ``g_out``."""
     return native.chunk_epilogue(
-        zs_raw, zt_raw, y, coef, g_out, t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap
+        zs_raw,
+        zt_raw,
+        y,
+        coef,
+        g_out,
+        t.kl_weight,
+        t.temperature,
+        t.cap_temperature,
+        t.logit_scale,
+        t.softcap,
+        t.renyi_weight,
+        t.per_row_terms,
     )
 
 
@@ -428,10 +459,14 @@ def _graph_count() -> int:
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # heads the Triton kernel takes (loss/triton_epilogue.py)
+# The chunk epilogues that compute DSpark's per-row terms in their row pass (the others give way to the eager passes).
+PER_ROW_KINDS = ("native", "triton", "eager")
 COMPILE_CHOICES = (True, False, "auto", "native", "triton", "inductor")
 
 
-def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
+def planned_epilogue(
+    compile: bool | str, device_type: str, dtype: torch.dtype, logits: int, per_row: bool = False
+) -> str:
     """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "triton",
     "inductor" or "eager", assuming the kernel it names can be built (the planner's view;
     ``epilogue_kind`` checks).
@@ -442,7 +477,14 @@ def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, 
     "auto": the environment's DFLASH_LOSS_COMPILE (0, 1, inductor, or native / triton where it applies)
     if set, else the device's kernel where it applies (building it costs about a second, once per
     machine or process) and inductor for ``logits`` = N x V >= COMPILE_MIN_LOGITS elsewhere.
+    ``per_row`` (DSpark's acceptance / Renyi / D-PARD): a kernel not in ``PER_ROW_KINDS`` gives way to
+    the eager passes.
     """
+    kind = _planned_epilogue(compile, device_type, dtype, logits)
+    return "eager" if per_row and kind not in PER_ROW_KINDS else kind
+
+
+def _planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
     native_fits = device_type == "cpu" and dtype in native.ENTRY
     triton_fits = device_type == "cuda" and dtype in TRITON_DTYPES
     if compile == "auto":  # the environment asks for a kernel where it applies
@@ -478,12 +520,14 @@ def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, 
     return "eager"
 
 
-def epilogue_kind(compile: bool | str, device: torch.device, dtype: torch.dtype, logits: int) -> str:
+def epilogue_kind(
+    compile: bool | str, device: torch.device, dtype: torch.dtype, logits: int, per_row: bool = False
+) -> str:
     """What a call runs: ``planned_epilogue``, except that a kernel that cannot run here falls back to
     what "auto" would run without it: inductor for large calls, else eager. A native kernel that cannot
     be built warns once; Triton chosen by default but not installed falls back silently (inductor, as
     before it existed); Triton asked for by name where it cannot run is an error."""
-    kind = planned_epilogue(compile, device.type, dtype, logits)
+    kind = planned_epilogue(compile, device.type, dtype, logits, per_row)
     if kind == "native" and native.load() is None:
         _warn_native_unavailable()
         kind = "inductor" if logits >= COMPILE_MIN_LOGITS else "eager"
@@ -494,7 +538,7 @@ def epilogue_kind(compile: bool | str, device: torch.device, dtype: torch.dtype,
                 f"CPU); here: {TRITON_ERROR or 'device ' + device.type}"
             )
         kind = "inductor" if compile is True or logits >= COMPILE_MIN_LOGITS else "eager"  # as before Triton
-    return kind
+    return "eager" if per_row and kind not in PER_ROW_KINDS else kind
 
 
 _triton_module = None
@@ -524,9 +568,20 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def _triton_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
-    """The Triton kernel (``loss/triton_epilogue.py``): row terms, G in ``g_out``."""
+    """The Triton kernel (``loss/triton_epilogue.py``): row terms (and DSpark's per-row terms), G in ``g_out``."""
     return triton_epilogue().chunk_epilogue(
-        zs_raw, zt_raw, y, coef, g_out, t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap
+        zs_raw,
+        zt_raw,
+        y,
+        coef,
+        g_out,
+        t.kl_weight,
+        t.temperature,
+        t.cap_temperature,
+        t.logit_scale,
+        t.softcap,
+        t.renyi_weight,
+        t.per_row_terms,
     )
 
 
@@ -823,9 +878,7 @@ def _loss_forward(
         dw2 = hs.new_zeros(weight.shape[0] if grad_rows else 0, rank, dtype=f)
         return hs.new_zeros((), dtype=f), stats, dh, accept, de, dw2
     compile = {"true": True, "false": False}.get(policy, policy)
-    # DSpark's per-row terms (acceptance, Renyi, D-PARD) are computed in the eager passes of the chunk;
-    # the kernels compute the DFlash terms (with or without the Markov bias, which is in the GEMM).
-    kind = "eager" if terms.per_row_terms else epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0])
+    kind = epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0], terms.per_row_terms)
     compiled = EPILOGUES[kind]
     loss, stats, dh, extras = _run_chunks(
         hs.index_select(0, keep),
@@ -1006,7 +1059,9 @@ def fused_draft_loss(
       ``s_i = dpard_alpha + (1 - dpard_alpha) a_i`` over the block's rows with weight > 0, and the
       loss is ``sum_t W_t l_t / (rows with weight > 0)`` (speculators' normalization).
 
-    These per-row terms need the teacher and run in the eager passes of each chunk.
+    These per-row terms need the teacher. They are computed in the chunk's row pass with the other
+    terms: in the native CPU kernel (the CPU's default), the Triton kernel (CUDA's) and the eager
+    passes; a call that would run inductor's kernel runs the eager passes (``PER_ROW_KINDS``).
     """
     hs, ht, w_head = student_hidden, teacher_hidden, lm_head_weight
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "chunk_epilogue.cpp"
-FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
 # Tried in order: a compiler without OpenMP builds the kernel single-threaded (Python threads split the
 # rows), one without -march=native (some clang targets) for the baseline instruction set.
 OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
@@ -135,7 +135,8 @@ def load() -> ctypes.CDLL | None:
     ptr, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
     for name, _ in ENTRY.values():
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, f64, f64, f64, f64, f64, i32, ptr, ptr, ptr, ptr, ptr, ptr]
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, f64, f64, f64, f64, f64, f64, i32, i32]
+        fn.argtypes += [ptr] * 8
         fn.restype = ctypes.c_int
     lib.dflash_openmp.restype = ctypes.c_int
     lib.dflash_exp_f32.argtypes = [ptr, ptr, i64]
@@ -150,12 +151,29 @@ def reset() -> None:
     _library, _tried, BUILD_SECONDS, BUILD_ERROR = None, False, None, None
 
 
-def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_temperature, logit_scale, softcap):
-    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``.
+def chunk_epilogue(
+    zs_raw,
+    zt_raw,
+    y,
+    coef,
+    g_out,
+    kl_weight,
+    temperature,
+    cap_temperature,
+    logit_scale,
+    softcap,
+    renyi_weight=0.0,
+    per_row=False,
+):
+    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``; with
+    ``per_row`` also ``(accept, renyi)`` ``[c]`` (DSpark: ``sum_v min(p_v, q_v)`` and
+    ``-2 log sum_v sqrt(p_v q_v)`` of the student p and teacher q at T = 1), and G then includes
+    ``renyi_weight`` times the Renyi term's gradient, scaled by ``coef`` like the other terms.
 
-    ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (head dtype, contiguous; ``zt_raw`` may be None), ``y``
-    ``[c]`` int64 data labels or None (teacher labels), ``coef`` ``[c]`` = w / sum w in the compute
-    dtype, ``g_out`` ``[c, V]`` head dtype or None. Same math as ``fused._chunk_epilogue`` + ``_row_terms``.
+    ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (head dtype, contiguous; ``zt_raw`` may be None, not
+    with ``per_row``), ``y`` ``[c]`` int64 data labels or None (teacher labels), ``coef`` ``[c]`` =
+    w / sum w in the compute dtype, ``g_out`` ``[c, V]`` head dtype or None. Same math as
+    ``fused._eager_chunk``.
     """
     lib = load()
     name, compute = ENTRY[zs_raw.dtype]
@@ -163,12 +181,14 @@ def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_t
     tensors = [x for x in (zs_raw, zt_raw, y, g_out) if x is not None]
     if not all(x.is_contiguous() for x in tensors) or coef.dtype != compute:
         raise ValueError("chunk_epilogue: contiguous inputs and a coef in the compute dtype are required")
+    if per_row and zt_raw is None:
+        raise ValueError("chunk_epilogue: the per-row terms (acceptance, Renyi) need the teacher's logits")
     y = None if y is None else y.to(torch.int64).contiguous()
     coef = coef.contiguous()
-    lse, z_y, entropy, kl = (torch.empty(c, dtype=compute) for _ in range(4))
+    lse, z_y, entropy, kl, accept, renyi = (torch.empty(c, dtype=compute) for _ in range(6))
     s_arg, t_arg = torch.empty(c, dtype=torch.int64), torch.full((c,), -1, dtype=torch.int64)
     fn = getattr(lib, name)
-    terms = (kl_weight, temperature, cap_temperature, logit_scale, softcap or 0.0)
+    terms = (kl_weight, temperature, cap_temperature, logit_scale, softcap or 0.0, renyi_weight, int(per_row))
 
     def rows(r0: int, r1: int, threads: int = 1) -> int:
         def at(x, row_len):  # address of row r0 of x
@@ -177,6 +197,7 @@ def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_t
         return fn(
             at(zs_raw, vocab), at(zt_raw, vocab), r1 - r0, vocab, at(y, 1), at(coef, 1), at(g_out, vocab),
             *terms, threads, at(lse, 1), at(z_y, 1), at(entropy, 1), at(kl, 1), at(s_arg, 1), at(t_arg, 1),
+            at(accept, 1), at(renyi, 1),
         )  # fmt: skip
 
     threads = min(torch.get_num_threads(), c)
@@ -190,7 +211,8 @@ def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_t
         codes = list(_pool.map(rows, bounds[:-1], bounds[1:]))
     if any(codes):
         raise ValueError(f"chunk_epilogue: the kernel refused a chunk of shape {tuple(zs_raw.shape)}")
-    return lse, z_y, s_arg, (t_arg if zt_raw is not None else None), entropy, kl
+    out = (lse, z_y, s_arg, (t_arg if zt_raw is not None else None), entropy, kl)
+    return (*out, accept, renyi) if per_row else out
 
 
 def exp_f32(x: torch.Tensor) -> torch.Tensor:

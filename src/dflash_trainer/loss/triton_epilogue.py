@@ -9,6 +9,12 @@ One program per row of the chunk walks the row's ``V`` logits in blocks, three t
     pass 3  G w.r.t. the raw logits, written into ``g`` in the head dtype: from the stored e (fp32
             head), or from exponentials computed again (bf16 head)
 
+DSpark's per-row terms (``PER_ROW``) add the teacher at T = 1 to pass 2 (its normalizer and the
+Bhattacharyya sum ``sum sqrt(e^d e^u1)``; with KL at T = 1 that is e^u itself), one pass between 2 and
+3 for the acceptance ``sum min(p, q)`` (it needs both normalizers; from the stored e where there are
+any, else exponentials again), and the Renyi-1/2 gradient in pass 3. With KL at T != 1 the teacher's
+raw logits are then kept (pass 3 needs them at T = 1) and e^u is computed again in pass 3.
+
 With an fp32 head each logit costs one exponential per distribution (plus one for T != 1 in passes 2
 and 3, one for Tc != 1 in pass 2), like the native kernel; with a bf16 head two, because the e would
 have to be stored in bf16, and G = coef (p - a q) loses about 1% of its largest value to that rounding
@@ -62,10 +68,10 @@ def _row_max(ptr, V, scale, inv_cap, cap, SOFTCAP: tl.constexpr, BLOCK: tl.const
 @triton.jit
 def _chunk_kernel(
     zs_ptr, zt_ptr, y_ptr, coef_ptr, g_ptr, out_ptr, arg_ptr, V,
-    a, temp, tc, scale, cap, inv_cap,
+    a, temp, tc, scale, cap, inv_cap, beta,
     HAS_TEACHER: tl.constexpr, DATA_LABELS: tl.constexpr, KL: tl.constexpr, TEMPERED: tl.constexpr,
     CAP_TEMPERED: tl.constexpr, SOFTCAP: tl.constexpr, GRAD: tl.constexpr, STORE_E: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STORE_Q: tl.constexpr, PER_ROW: tl.constexpr, RENYI: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * V
@@ -84,7 +90,8 @@ def _chunk_kernel(
     inv_tc = 1.0 / tc
 
     # pass 2: s0 = sum e^d, s1 = sum e^d d; s2 = sum e^u, s3 = sum e^u u, s4 = sum e^u d;
-    # s5 = sum e^(d/T); s6 = sum e^(d/Tc), s7 = sum e^(d/Tc) d  (d = z - m_s, u = (zt - m_t) / T)
+    # s5 = sum e^(d/T); s6 = sum e^(d/Tc), s7 = sum e^(d/Tc) d  (d = z - m_s, u = (zt - m_t) / T);
+    # s8 = sum e^u1, s9 = sum sqrt(e^d e^u1)  (per-row terms: u1 = zt - m_t, the teacher at T = 1)
     s0 = tl.zeros([BLOCK], tl.float32)
     s1 = tl.zeros([BLOCK], tl.float32)
     s2 = tl.zeros([BLOCK], tl.float32)
@@ -93,6 +100,8 @@ def _chunk_kernel(
     s5 = tl.zeros([BLOCK], tl.float32)
     s6 = tl.zeros([BLOCK], tl.float32)
     s7 = tl.zeros([BLOCK], tl.float32)
+    s8 = tl.zeros([BLOCK], tl.float32)
+    s9 = tl.zeros([BLOCK], tl.float32)
     for b0 in range(0, V, BLOCK):
         offs = b0 + tl.arange(0, BLOCK)
         inside = offs < V
@@ -103,15 +112,23 @@ def _chunk_kernel(
         s1 += e * d
         if GRAD and STORE_E:
             tl.store(g_ptr + row * V + offs, e, mask=inside)
-        if KL:
+        if KL or PER_ROW:
             zt = _transformed(tl.load(zt_row + offs, mask=inside, other=0.0), scale, inv_cap, cap, SOFTCAP)
+        if KL:
             u = tl.where(inside, (zt - m_t) * inv_t, 0.0)
             q = tl.where(inside, tl.exp(u), 0.0)
             s2 += q
             s3 += q * u
             s4 += q * d
-            if GRAD and STORE_E:  # the teacher's raw logits are not read again: their buffer keeps e^u
+            if STORE_Q:  # the teacher's raw logits are not read again: their buffer keeps e^u
                 tl.store(zt_row + offs, q, mask=inside)
+        if PER_ROW:
+            if KL and not TEMPERED:
+                q1 = q
+            else:
+                q1 = tl.where(inside, tl.exp(zt - m_t), 0.0)
+                s8 += q1
+            s9 += tl.sqrt(e * q1)
         if TEMPERED:
             s5 += tl.where(inside, tl.exp(d * inv_t), 0.0)
         if CAP_TEMPERED:
@@ -136,10 +153,34 @@ def _chunk_kernel(
             t5 = tl.sum(s5, 0)
             log_sum_t = tl.log(t5)
         kl = tl.sum(s3, 0) / t2 - tl.log(t2) - tl.sum(s4, 0) / (temp * t2) + log_sum_t
-    tl.store(out_ptr + row * 4 + 0, lse)
-    tl.store(out_ptr + row * 4 + 1, z_y)
-    tl.store(out_ptr + row * 4 + 2, entropy)
-    tl.store(out_ptr + row * 4 + 3, kl)
+    tl.store(out_ptr + row * 6 + 0, lse)
+    tl.store(out_ptr + row * 6 + 1, z_y)
+    tl.store(out_ptr + row * 6 + 2, entropy)
+    tl.store(out_ptr + row * 6 + 3, kl)
+    t9 = 1.0
+    if PER_ROW:  # acceptance sum min(p, q1) from both normalizers; Renyi -2 log BC, BC = s9 / sqrt(s0 sum_t1)
+        if KL and not TEMPERED:
+            t8 = tl.sum(s2, 0)
+        else:
+            t8 = tl.sum(s8, 0)
+        t9 = tl.sum(s9, 0)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for b0 in range(0, V, BLOCK):
+            offs = b0 + tl.arange(0, BLOCK)
+            inside = offs < V
+            if STORE_E:
+                e = tl.load(g_ptr + row * V + offs, mask=inside, other=0.0)
+            else:
+                z = _transformed(tl.load(zs_row + offs, mask=inside, other=0.0), scale, inv_cap, cap, SOFTCAP)
+                e = tl.where(inside, tl.exp(z - m_s), 0.0)
+            if STORE_Q:
+                q1 = tl.load(zt_row + offs, mask=inside, other=0.0)
+            else:
+                zt = _transformed(tl.load(zt_row + offs, mask=inside, other=0.0), scale, inv_cap, cap, SOFTCAP)
+                q1 = tl.where(inside, tl.exp(zt - m_t), 0.0)
+            acc += tl.minimum(e / t0, q1 / t8)
+        tl.store(out_ptr + row * 6 + 4, tl.sum(acc, 0))
+        tl.store(out_ptr + row * 6 + 5, -2.0 * tl.log(t9) + log_sum + tl.log(t8))
     tl.store(arg_ptr + row * 2 + 0, s_arg.to(tl.int64))
     tl.store(arg_ptr + row * 2 + 1, t_arg.to(tl.int64))
 
@@ -150,6 +191,10 @@ def _chunk_kernel(
             k_p = c * (1.0 - a) / t0
         else:
             k_p = c / t0
+        k_r = 0.0
+        if RENYI:  # beta (p - sqrt(p q1) / BC): the p part joins k_p; sqrt(p q1) / BC = sqrt(e^d e^u1) / s9
+            k_p += c * beta / t0
+            k_r = c * beta / t9
         k_q = 0.0
         if KL:
             if TEMPERED:
@@ -164,15 +209,24 @@ def _chunk_kernel(
             if TEMPERED or SOFTCAP or not STORE_E:
                 z = _transformed(tl.load(zs_row + offs, mask=inside, other=0.0), scale, inv_cap, cap, SOFTCAP)
             if STORE_E:
-                v = k_p * tl.load(g_ptr + row * V + offs, mask=inside, other=0.0)
+                e = tl.load(g_ptr + row * V + offs, mask=inside, other=0.0)
             else:
-                v = k_p * tl.exp(z - m_s)
+                e = tl.exp(z - m_s)
+            v = k_p * e
+            if (KL and not STORE_Q) or RENYI:
+                zt = _transformed(tl.load(zt_row + offs, mask=inside, other=0.0), scale, inv_cap, cap, SOFTCAP)
             if KL:
-                if STORE_E:
-                    v -= k_q * tl.load(zt_row + offs, mask=inside, other=0.0)
+                if STORE_Q:
+                    q = tl.load(zt_row + offs, mask=inside, other=0.0)
                 else:
-                    zt = _transformed(tl.load(zt_row + offs, mask=inside, other=0.0), scale, inv_cap, cap, SOFTCAP)
-                    v -= k_q * tl.exp((zt - m_t) * inv_t)
+                    q = tl.exp((zt - m_t) * inv_t)
+                v -= k_q * q
+            if RENYI:
+                if KL and not TEMPERED:
+                    q1 = q
+                else:
+                    q1 = tl.exp(zt - m_t)
+                v -= k_r * tl.sqrt(e * q1)
             if TEMPERED or SOFTCAP:
                 if TEMPERED:
                     v += k_pt * tl.exp((z - m_s) * inv_t)
@@ -185,9 +239,23 @@ def _chunk_kernel(
             tl.store(g_ptr + row * V + offs, v.to(g_ptr.dtype.element_ty), mask=inside)
 
 
-def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_temperature, logit_scale, softcap):
-    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``:
-    ``native.chunk_epilogue``'s contract. An fp32 ``zt_raw`` is overwritten when there is a gradient and KL.
+def chunk_epilogue(
+    zs_raw,
+    zt_raw,
+    y,
+    coef,
+    g_out,
+    kl_weight,
+    temperature,
+    cap_temperature,
+    logit_scale,
+    softcap,
+    renyi_weight=0.0,
+    per_row=False,
+):
+    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk (then ``(accept, renyi)``
+    with ``per_row``), and G in ``g_out``: ``native.chunk_epilogue``'s contract. An fp32 ``zt_raw`` is
+    overwritten when there is a gradient and KL (unless ``per_row`` with T != 1).
 
     ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (bf16 or fp32, contiguous; ``zt_raw`` may be None), ``y``
     ``[c]`` data labels or None (teacher labels), ``coef`` ``[c]`` fp32 = w / sum w, ``g_out`` ``[c, V]``
@@ -196,21 +264,28 @@ def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, kl_weight, temperature, cap_t
     tensors = [x for x in (zs_raw, zt_raw, g_out) if x is not None]
     if zs_raw.dtype not in DTYPES or not all(x.is_contiguous() and x.dtype == zs_raw.dtype for x in tensors):
         raise ValueError("triton chunk_epilogue: contiguous bf16 or fp32 logits and G of one dtype are required")
+    if per_row and zt_raw is None:
+        raise ValueError("triton chunk_epilogue: the per-row terms (acceptance, Renyi) need the teacher's logits")
     kl_on = zt_raw is not None and kl_weight > 0
-    out = torch.empty(c, 4, dtype=torch.float32, device=zs_raw.device)
+    tempered = kl_on and temperature != 1.0
+    store_e = g_out is not None and zs_raw.dtype == torch.float32
+    out = torch.zeros(c, 6, dtype=torch.float32, device=zs_raw.device)
     args = torch.empty(c, 2, dtype=torch.int64, device=zs_raw.device)
+    lse, z_y, entropy, kl, accept, renyi = out.unbind(1)
     if c == 0:
-        return (*out.unbind(1)[:2], args[:, 0], None, *out.unbind(1)[2:])
+        rows = (lse, z_y, args[:, 0], None, entropy, kl)
+        return (*rows, accept, renyi) if per_row else rows
     dummy = zs_raw  # never read where a flag is off
     _chunk_kernel[(c,)](
         zs_raw, zt_raw if zt_raw is not None else dummy,
         y.to(torch.int64).contiguous() if y is not None else args, coef.to(torch.float32).contiguous(),
         g_out if g_out is not None else dummy, out, args, vocab,
         float(kl_weight), float(temperature), float(cap_temperature), float(logit_scale),
-        float(softcap or 1.0), 1.0 / float(softcap or 1.0),
-        HAS_TEACHER=zt_raw is not None, DATA_LABELS=y is not None, KL=kl_on, TEMPERED=kl_on and temperature != 1.0,
+        float(softcap or 1.0), 1.0 / float(softcap or 1.0), float(renyi_weight),
+        HAS_TEACHER=zt_raw is not None, DATA_LABELS=y is not None, KL=kl_on, TEMPERED=tempered,
         CAP_TEMPERED=cap_temperature != 1.0, SOFTCAP=bool(softcap), GRAD=g_out is not None,
-        STORE_E=zs_raw.dtype == torch.float32, BLOCK=BLOCK,
+        STORE_E=store_e, STORE_Q=store_e and kl_on and not (per_row and tempered), PER_ROW=bool(per_row),
+        RENYI=bool(per_row) and renyi_weight > 0 and g_out is not None, BLOCK=BLOCK,
     )  # fmt: skip
-    lse, z_y, entropy, kl = out.unbind(1)
-    return lse, z_y, args[:, 0], (args[:, 1] if zt_raw is not None else None), entropy, kl
+    rows = (lse, z_y, args[:, 0], (args[:, 1] if zt_raw is not None else None), entropy, kl)
+    return (*rows, accept, renyi) if per_row else rows

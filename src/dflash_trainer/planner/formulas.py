@@ -511,8 +511,8 @@ def loss_workspace(
     if w.bias_rank:  # d e [N, r] and d W2 [V, r] in fp32 (twice with CAP), the chunk's [c, r] G @ W2
         r, twice = w.bias_rank, (2 if w.cap_weight > 0 else 1)
         bias = {"markov bias gradients": twice * (w.queries + vocab) * r * f + c * r * f}
-    if w.per_row_terms:  # acceptance / Renyi / D-PARD run in the eager passes with one more buffer
-        kernel = False
+    # DSpark's per-row terms (acceptance / Renyi / D-PARD): no buffer in a kernel (its scratch is a few
+    # rows per thread), one more [c, V] buffer in the eager passes; ``kernel`` says which will run.
     if kernel:
         buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0) + dh_chunk
         return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap, **bias}

@@ -420,9 +420,10 @@ def usable_for_peak(topo: Topology) -> int:
 def loss_kernel(w: F.Workload, topo: Topology, vocab: int) -> bool:
     """Whether the fused loss will run a kernel for its element-wise work on this device (the native
     CPU kernel, or inductor's for large calls elsewhere), which keeps its chunk buffers in the head
-    dtype; else the eager passes' fp32 buffers."""
+    dtype; else the eager passes' fp32 buffers. DSpark's per-row terms run in the native and Triton
+    kernels and give way to the eager passes where inductor's would run (``loss.fused.PER_ROW_KINDS``)."""
     head_dtype = getattr(torch, w.target_dtype)
-    return planned_epilogue("auto", topo.device, head_dtype, w.loss_rows * vocab) != "eager"
+    return planned_epilogue("auto", topo.device, head_dtype, w.loss_rows * vocab, w.per_row_terms) != "eager"
 
 
 def derive_chunk(
