@@ -27,8 +27,8 @@ TRAIN_RECORDS = 32
 MAX_TOKENS = 128
 # vLLM's tau against ours. One draft token decided differently by fp32 rounding (different kernels,
 # batched target features) re-cuts the rest of that prompt's rounds, so tau moves by chance: the
-# defaults agree within 0.2% run after run; the last-layer drafter (fine-tuned 60 steps onto layer 7,
-# whose pre-norm activations are the largest) measured -0.9%, +2.2%, -2.1% in three runs, the window
+# defaults agree within 0.2% run after run; the last-layer drafter (fine-tuned onto layer 7) measured
+# -0.9%, +2.2%, -2.1% in three runs (vLLM reads layer 7 pre-norm, as trained: qwen2.py), the window
 # settings -0.9% to +0.6% (non-causal) and -3.4% to +0.6% (causal), where vLLM also counts the window
 # over positions, the block's own slots included (read from its code: slot j sees about W-j context
 # rows, training W; README, serving section).
