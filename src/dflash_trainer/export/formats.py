@@ -196,6 +196,8 @@ def export_checkpoint(
                 "target_transforms": target_transforms(spec, scale),
             },
         }
+        if spec.sliding_window_layers:  # vLLM reads the window's causality here (else: causal on sliding layers)
+            config["dflash_config"]["causal"] = spec.causal_in_block_sliding
         modeling = (resources.files("dflash_trainer.export") / "assets" / "modeling_dflash.py").read_text()
         files: dict[str, object] = {"modeling_dflash.py": modeling}
         tensors = state
@@ -219,7 +221,9 @@ def export_checkpoint(
             "block_size": spec.block_size,
             "draft_vocab_size": spec.vocab_size,
             "target_hidden_size": target["hidden_size"],
-            "sliding_window_non_causal": not spec.causal_in_block_sliding,
+            # vLLM applies this flag to every draft layer (dflash_config.causal), speculators to the
+            # sliding ones only, as trained: without sliding layers it must say non-causal for both.
+            "sliding_window_non_causal": not (spec.causal_in_block_sliding and spec.sliding_window_layers),
             "target_transforms": {**target_transforms(spec, scale), "embedding_scale_in_weights": True},
             "speculators_config": {
                 "algorithm": "dflash",

