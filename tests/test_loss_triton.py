@@ -85,7 +85,7 @@ def test_triton_epilogue_matches_the_native_kernel(name, dtype):
     assert out[2][0].item() == 17  # the first of the tied maxima
     # Both compute in fp32 (different exp and summation order), then round G to the head dtype: bf16 values
     # may land on either side of a rounding boundary, one bf16 step (2^-7 relative) at the most.
-    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    tol = 2e-6 if dtype == torch.float32 else 2**-7  # fp32 sums in another order: 1.34e-6 measured (kl_only)
     scale = g_native.float().abs().amax(1, keepdim=True)
     assert ((g_native.float() - g_triton.float()).abs() / scale).max().item() < tol, name
 
