@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..errors import UserError
 from .gpus import gpu_memory
-from .variants import DSparkSettings, VariantSettings
+from .variants import DFlash2Settings, DSparkSettings, VariantSettings
 
 TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny target
 
@@ -54,10 +54,13 @@ class TargetConfig(Section):
 class DrafterConfig(Section):
     """The DFlash drafter: a few Qwen3-style decoder layers with KV injection of target features."""
 
-    variant: Literal["dflash", "dspark"] = Field(
-        "dflash", description="the drafter variant (variants/): dflash, or dspark (Markov and confidence heads)"
+    variant: Literal["dflash", "dspark", "dflash2"] = Field(
+        "dflash",
+        description="the drafter variant (variants/): dflash, dspark (Markov and confidence heads) or dflash2 "
+        "(local convolutions and a top-K candidate selector)",
     )
     dspark: DSparkSettings = Field(default_factory=DSparkSettings, description="settings of variant dspark")
+    dflash2: DFlash2Settings = Field(default_factory=DFlash2Settings, description="settings of variant dflash2")
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2, description="B: anchor slot plus B-1 mask slots")
     intermediate_size: int | None = Field(

@@ -88,7 +88,8 @@ def build_conditioned_tree(root, expand, depth_max: int, budget: int) -> DraftTr
         lp, state = entry
         k = min(budget, lp.shape[0])
         values, tokens = lp.double().topk(k)
-        return values.tolist(), tokens.tolist(), state
+        finite = values > float("-inf")  # a distribution over K candidates (DFlash2): never a 0-probability child
+        return values[finite].tolist(), tokens[finite].tolist(), state
 
     lists[-1] = top(root)
     heap = [(-lists[-1][0][0], 0, -1, 0, 0.0, 1)]  # (-logprob, counter, parent, rank, parent logprob, depth)

@@ -242,16 +242,32 @@ class DrafterMLP(nn.Module):
 
 
 class DrafterLayer(nn.Module):
+    """A pre-norm decoder layer. A variant may wrap its two sublayers (``attention_conv``, ``mlp_conv``,
+    None in DFlash; DFlash2's local convolutions): ``prepare(x) -> (x', state)`` on the sublayer's
+    input and ``finish(y, state) -> y'`` on its output, inside the residual branch."""
+
     def __init__(self, s: DrafterSpec):
         super().__init__()
         self.self_attn = DrafterAttention(s)
         self.mlp = DrafterMLP(s)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.register_module("attention_conv", None)
+        self.register_module("mlp_conv", None)
 
     def forward(self, x, context_kv, cos_q, sin_q, mask, backend):
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos_q, sin_q, mask, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, state = _prepare(self.attention_conv, self.input_layernorm(x))
+        x = x + _finish(self.attention_conv, self.self_attn(h, context_kv, cos_q, sin_q, mask, backend), state)
+        h, state = _prepare(self.mlp_conv, self.post_attention_layernorm(x))
+        return x + _finish(self.mlp_conv, self.mlp(h), state)
+
+
+def _prepare(wrap, x):
+    return (x, None) if wrap is None else wrap.prepare(x)
+
+
+def _finish(wrap, y, state):
+    return y if wrap is None else wrap.finish(y, state)
 
 
 def _layer_step(layer: DrafterLayer, x, ctx, cos_c, sin_c, cos_q, sin_q, mask, backend):

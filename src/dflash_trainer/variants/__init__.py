@@ -12,9 +12,10 @@ from __future__ import annotations
 from ..errors import UserError
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from .base import Variant
+from .dflash2 import DFlash2Variant
 from .dspark import DSparkVariant
 
-VARIANTS: dict[str, Variant] = {"dflash": Variant(), "dspark": DSparkVariant()}
+VARIANTS: dict[str, Variant] = {"dflash": Variant(), "dspark": DSparkVariant(), "dflash2": DFlash2Variant()}
 
 
 def variant_of(spec: DrafterSpec | str) -> Variant:
@@ -33,8 +34,12 @@ def block_span(spec: DrafterSpec) -> int:
 def make_drafter(spec: DrafterSpec, embed_tokens, lm_head_weight) -> DFlashDrafter:
     """The drafter of ``spec``: the shared backbone plus its variant's heads (registered submodules,
     so they are parameters, in the state dict, checkpoints and the optimizer like the backbone)."""
+    variant = variant_of(spec)
     drafter = DFlashDrafter(spec, embed_tokens, lm_head_weight)
-    for name, module in variant_of(spec).heads(spec).items():
+    for layer in drafter.layers:
+        for name, module in variant.layer_modules(spec).items():
+            layer.add_module(name, module)
+    for name, module in variant.heads(spec).items():
         drafter.add_module(name, module)
     return drafter
 

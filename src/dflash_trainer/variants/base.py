@@ -38,6 +38,11 @@ class Variant:
         """Submodules the variant adds to the drafter, by attribute name."""
         return {}
 
+    def layer_modules(self, spec: DrafterSpec) -> dict[str, nn.Module]:
+        """Submodules the variant adds to each decoder layer, by attribute name (``DrafterLayer``'s
+        sublayer wraps ``attention_conv`` / ``mlp_conv``); called once per layer."""
+        return {}
+
     def needs_teacher(self, options: dict) -> bool:
         """Whether the variant's loss (with settings ``options``, ``DrafterSpec.variant_options``) reads
         the teacher even when the base loss does not."""
@@ -45,6 +50,10 @@ class Variant:
 
     def head_shapes(self, options: dict, hidden: int, vocab: int) -> list[tuple[int, ...]]:
         """The parameter shapes ``heads`` adds (the planner prices them, their gradients and AdamW state)."""
+        return []
+
+    def layer_shapes(self, options: dict, hidden: int) -> list[tuple[int, ...]]:
+        """The parameter shapes ``layer_modules`` adds to each decoder layer (priced like ``head_shapes``)."""
         return []
 
     def planner_terms(self, options: dict) -> dict:

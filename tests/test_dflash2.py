@@ -1,0 +1,226 @@
+"""DFlash2 on the shared backbone (variants/dflash2.py): the local convolutions (identity at init, no
+leak across blocks in either attention backend, training layout == serving layout), the selector
+walk at inference against a plain per-slot reference, and the DDTree over the selector's scores."""
+
+import warnings
+
+import pytest
+import torch
+from test_drafter import packed_row, per_block_reference
+
+from dflash_trainer.config import DrafterConfig
+from dflash_trainer.data.blocks import build_blocks, sample_anchors
+from dflash_trainer.data.packing import doc_ids_from_positions
+from dflash_trainer.errors import UserError
+from dflash_trainer.inference.ddtree import draft_tree
+from dflash_trainer.loss.logits import transform_logits
+from dflash_trainer.model.drafter import DrafterSpec
+from dflash_trainer.variants import make_drafter, variant_of
+from dflash_trainer.variants.dflash2 import grouped_dynamic_conv, selector_training_candidates
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+F64 = torch.float64
+B = 4
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+    )
+    return Qwen3ForCausalLM(cfg).double().eval()
+
+
+def dflash2_drafter(target, *, variant="dflash2", kernel=2, group=4, top_k=5, sliding=(), randomize=True, seed=0):
+    cfg = DrafterConfig(num_layers=3, block_size=B, sliding_window_layers=list(sliding), sliding_window=3)
+    cfg.variant = variant
+    if variant == "dflash2":
+        cfg.dflash2.conv_kernel_size, cfg.dflash2.conv_group_size = kernel, group
+        cfg.dflash2.selector_rank, cfg.dflash2.selector_top_k = 6, top_k
+    spec = DrafterSpec.from_target(target.config, cfg, num_features=5, mask_token_id=3)
+    torch.manual_seed(seed)
+    drafter = make_drafter(spec, target.get_input_embeddings(), target.get_output_embeddings().weight).to(F64)
+    if randomize:  # random, not identity-like, so that a leak or a wrong tap shows
+        for p in drafter.parameters():
+            torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 1.0)
+    return drafter.eval()
+
+
+def training_layout(drafter, blocks, features, positions, backend="dense"):
+    doc = doc_ids_from_positions(positions)
+    with torch.no_grad():
+        masks = drafter.build_masks(blocks.anchors, blocks.doc_ids, doc, backend)
+        return drafter(blocks.input_ids, blocks.position_ids, features, positions, masks, backend).view(-1, B, 16)
+
+
+def some_blocks(n=6, seed=3):
+    ids, positions, loss_mask, features = packed_row()
+    doc = doc_ids_from_positions(positions)
+    anchors = sample_anchors(loss_mask, doc, B, n, torch.Generator().manual_seed(seed))
+    blocks = build_blocks(ids, positions, loss_mask, anchors, block_size=B, mask_token_id=3, gamma=4.0)
+    return blocks, features, positions
+
+
+def plain_conv(x, dynamic, base, block):
+    """The convolution element by element: out[j, c] = sum_t x[j-t, c] (base[t, c] + dynamic[j, t, c // g])."""
+    t_rows, hidden = x.shape
+    g = hidden // dynamic.shape[-1]
+    out = torch.zeros_like(x)
+    for j in range(t_rows):
+        for t in range(base.shape[0]):
+            if j % block >= t:
+                for c in range(hidden):
+                    out[j, c] += x[j - t, c] * (base[t, c] + dynamic[j, t, c // g])
+    return out
+
+
+@pytest.mark.parametrize("kernel", [1, 2, 3])
+def test_grouped_dynamic_conv_matches_the_plain_formula(kernel):
+    g = torch.Generator().manual_seed(kernel)
+    x = torch.randn(3 * B, 8, generator=g, dtype=F64)
+    dyn = torch.randn(3 * B, kernel, 2, generator=g, dtype=F64)
+    base = torch.randn(kernel, 8, generator=g, dtype=F64)
+    assert torch.allclose(grouped_dynamic_conv(x, dyn, base, B), plain_conv(x, dyn, base, B), atol=1e-12)
+
+
+def test_an_untrained_dflash2_computes_exactly_dflash(small_target):
+    """Identity base kernel and a zero projection: bit-identical hidden states to the DFlash drafter
+    with the same backbone weights."""
+    dflash = dflash2_drafter(small_target, variant="dflash")
+    dflash2 = dflash2_drafter(small_target, randomize=False)
+    missing, unexpected = dflash2.load_state_dict(dflash.state_dict(), strict=False)
+    assert not unexpected and all("conv" in m or "candidate_selector" in m for m in missing)
+    blocks, features, positions = some_blocks()
+    assert torch.equal(
+        training_layout(dflash, blocks, features, positions), training_layout(dflash2, blocks, features, positions)
+    )
+    assert len([n for n in dflash2.state_dict() if "conv" in n]) == 3 * 2 * 2  # 3 layers x 2 convs x 2 tensors
+
+
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_convolutions_never_cross_a_block_boundary(small_target, backend):
+    """Changing block b's tokens leaves block b+1 (adjacent in the flattened layout) bit-identical; the
+    blocks' outputs also equal one block at a time in the serving layout."""
+    drafter = dflash2_drafter(small_target, kernel=3)
+    blocks, features, positions = some_blocks()
+    before = training_layout(drafter, blocks, features, positions, backend)
+    for b in range(blocks.anchors.numel() - 1):
+        changed = blocks.input_ids.clone()
+        changed[b] = torch.randint(4, 64, (B,), generator=torch.Generator().manual_seed(b))
+        changed[b, 0] = (changed[b, 0] + 1) % 60 + 4  # the anchor too: every slot of block b differs
+        after = training_layout(
+            drafter, blocks._replace(input_ids=changed) if hasattr(blocks, "_replace") else _with_ids(blocks, changed),
+            features, positions, backend,
+        )
+        assert not torch.equal(after[b], before[b])
+        keep = [i for i in range(blocks.anchors.numel()) if i != b]
+        assert torch.equal(after[keep], before[keep]), f"block {b}'s tokens reached another block"
+    for b, ref in enumerate(per_block_reference(drafter, blocks, features, positions)):
+        if ref is not None:
+            assert torch.allclose(before[b], ref, atol=1e-12), f"block {b}"
+
+
+def _with_ids(blocks, ids):
+    import dataclasses
+
+    return dataclasses.replace(blocks, input_ids=ids)
+
+
+def test_a_leaking_convolution_would_be_caught():
+    """The flattened shift (no block view) reaches the previous block: the formula's block rule matters."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * B, 8, generator=g, dtype=F64)
+    dyn, base = torch.randn(2 * B, 2, 2, generator=g, dtype=F64), torch.randn(2, 8, generator=g, dtype=F64)
+    leaky = x * (base[0] + dyn[:, 0].repeat_interleave(4, -1))
+    leaky[1:] += x[:-1] * (base[1] + dyn[1:, 1].repeat_interleave(4, -1))
+    ours = grouped_dynamic_conv(x, dyn, base, B)
+    assert torch.allclose(ours[1:B], leaky[1:B]) and not torch.allclose(ours[B], leaky[B])
+
+
+def plain_walk(drafter, hidden, anchor):
+    """The selector walk slot by slot from the module's parameters, in float64."""
+    sel = drafter.candidate_selector
+    unary = transform_logits(hidden[1:] @ drafter.lm_head_weight.T, **drafter.spec.logit_options)
+    prev, drafts, scores = anchor, [], []
+    for k in range(B - 1):
+        top, cand = unary[k].topk(sel.top_k)
+        ctx = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[1 + k])
+        s = top + sel.successor_codebook[cand] @ ctx
+        prev = int(cand[s.argmax()])
+        drafts.append(prev)
+        scores.append((cand, s))
+    return drafts, scores
+
+
+@torch.no_grad()
+def test_propose_is_the_selector_walk(small_target):
+    drafter = dflash2_drafter(small_target)
+    variant = variant_of(drafter.spec)
+    hidden = torch.randn(B, 16, dtype=F64, generator=torch.Generator().manual_seed(1))
+    log_probs, drafts = variant.propose(drafter, hidden, 7)
+    want, scores = plain_walk(drafter, hidden, 7)
+    assert drafts == want
+    for k, (cand, s) in enumerate(scores):
+        assert torch.isinf(log_probs[k]).sum() == 64 - drafter.candidate_selector.top_k  # zero outside the K
+        assert torch.allclose(log_probs[k][cand], torch.log_softmax(s, -1), atol=1e-12)
+    # teacher-forced eval reads the same drafts
+    logits = variant.draft_logits(drafter, hidden[None], torch.tensor([7]), None)
+    assert logits[0].argmax(-1).tolist() == want
+    # the walk is not the unary argmax here (the selector matters), else the test would prove little
+    unary = hidden[1:] @ drafter.lm_head_weight.T
+    assert unary.argmax(-1).tolist() != want
+
+
+@torch.no_grad()
+def test_ddtree_follows_the_selector_given_each_nodes_token(small_target):
+    drafter = dflash2_drafter(small_target)
+    variant = variant_of(drafter.spec)
+    hidden = torch.randn(B, 16, dtype=F64, generator=torch.Generator().manual_seed(2))
+    tree = draft_tree(variant, drafter, hidden, 7, None, 12, B - 1)
+    assert len(tree) == 12
+    sel = drafter.candidate_selector
+    unary = hidden[1:] @ drafter.lm_head_weight.T
+    for i, (tok, depth, parent) in enumerate(zip(tree.tokens, tree.depths, tree.parents)):
+        prev = 7 if parent < 0 else tree.tokens[parent]
+        top, cand = unary[depth - 1].topk(sel.top_k)
+        ctx = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[depth])
+        lp = torch.log_softmax(top + sel.successor_codebook[cand] @ ctx, -1)
+        assert tok in cand.tolist(), "a node outside its slot's K candidates"
+        own = lp[cand.tolist().index(tok)]
+        parent_lp = 0.0 if parent < 0 else tree.logprobs[parent]
+        assert abs(tree.logprobs[i] - (parent_lp + float(own))) < 1e-9
+    # the greedy walk is the tree's first path
+    drafts = variant.propose(drafter, hidden, 7)[1]
+    node, path = -1, []
+    for tok in drafts:
+        node = tree.children().get((node, tok))
+        if node is None:
+            break
+        path.append(tok)
+    assert path == drafts[: len(path)] and len(path) >= 1
+
+
+def test_selector_training_candidates():
+    ids = torch.tensor([[5, 3, 9], [5, 3, 9], [1, 2, 4]])
+    labels = torch.tensor([3, 7, 4])
+    cand, pos, inside = selector_training_candidates(ids, labels)
+    assert cand.tolist() == [[5, 3, 9], [5, 3, 7], [1, 2, 4]]
+    assert pos.tolist() == [1, 2, 2] and inside.tolist() == [True, False, True]
+
+
+def test_bad_settings_are_one_line_errors(small_target):
+    with pytest.raises(UserError, match="conv_group_size 5 must divide the hidden size 16"):
+        dflash2_drafter(small_target, group=5)
+    with pytest.raises(UserError, match="conv_kernel_size 5 exceeds the block size 4"):
+        dflash2_drafter(small_target, kernel=5)
+    with pytest.raises(UserError, match="selector_top_k 65 exceeds the vocabulary"):
+        dflash2_drafter(small_target, top_k=65)
