@@ -75,6 +75,7 @@ def train_on_greedy(root, *overrides, steps: int = 150):
         "ckpt": ckpt,
         "records": records[:8],
         "root": root,
+        "eval_rows": eval_rows,
     }
 
 

@@ -118,6 +118,11 @@ def format_table(entries: list[dict]) -> str:
             lines.append(
                 f"{e['label']}: confidence predicted/measured acceptance per slot {pairs} (|error| {c['abs_error']:.3f})"
             )
+    for e in entries:  # DFlash2: the target's token among the selector's K candidates, per draft slot
+        c = e["report"].get("candidate_recall")
+        if c:
+            per = " ".join(f"{x:.2f}" for x in c["per_slot"])
+            lines.append(f"{e['label']}: candidate recall per slot {per} (mean {c['mean']:.3f})")
     return "\n".join(lines)
 
 

@@ -63,6 +63,7 @@ class ScoredBlocks(NamedTuple):
     tree_of: Callable[[int, int], DraftTree]  # (j, budget) -> block j's DDTree as decoding builds it
     confidence: torch.Tensor | None  # [g, D] the confidence head's predicted acceptance (DSpark), else None
     acceptance: torch.Tensor | None  # [g, D] with ``confidence``: sum_v min(p_v, q_v), target p, drafter q
+    candidate_hits: torch.Tensor | None = None  # [g, D] bool: greedy token among the variant's candidates (DFlash2)
 
 
 @torch.no_grad()
@@ -133,7 +134,8 @@ def teacher_forced_blocks(
 
             return draft_tree(variant, drafter, hidden[j], anchor_ids[j], log_probs, budget, span - 1)
 
-        yield ScoredBlocks(draft_logits, greedy, tree_of, confidence, acceptance)
+        hits = variant.candidate_hits(drafter, hidden, greedy)
+        yield ScoredBlocks(draft_logits, greedy, tree_of, confidence, acceptance, hits)
         del draft_logits, hidden, tree_of
 
 
@@ -166,6 +168,8 @@ def acceptance_report(
         budgets, ddtree_tau     DDTree tau per budget (same order)
         confidence              (a drafter with a confidence head, DSpark) per draft slot: mean predicted
                                 and measured acceptance sum_v min(p_v, q_v) at T = 1, and mean |error|
+        candidate_recall        (a drafter that drafts from candidates, DFlash2) per draft slot and
+                                overall: P(greedy token among the unary top K)
         decode_tau, decode_rounds  (with ``decode_path``)
         blocks, rows, rows_without_blocks, block_size
     """
@@ -177,7 +181,7 @@ def acceptance_report(
     b = drafter.spec.block_size
     span = b + variant_of(drafter.spec).label_shift(drafter.spec)  # D = span - 1 drafts per block
     gen = torch.Generator().manual_seed(seed)
-    accepted_parts, match_parts, tree_parts, confidence_parts = [], [], [], []
+    accepted_parts, match_parts, tree_parts, confidence_parts, hit_parts = [], [], [], [], []
     rows_used = rows_empty = 0
     was_training = drafter.training
     drafter.eval()
@@ -205,6 +209,8 @@ def acceptance_report(
                     tree_parts.append(accepted_per_budget(scored.tree_of(j, budgets[-1]), path, budgets))
                 if scored.confidence is not None:
                     confidence_parts.append((scored.confidence.double().cpu(), scored.acceptance.double().cpu()))
+                if scored.candidate_hits is not None:
+                    hit_parts.append(scored.candidate_hits.double().cpu())
     finally:
         drafter.train(was_training)
     if not accepted_parts:
@@ -238,6 +244,9 @@ def acceptance_report(
             "measured": measured.mean(0).tolist(),
             "abs_error": (predicted - measured).abs().mean().item(),
         }
+    if hit_parts:  # DFlash2: how often the target's greedy token is among the selector's K candidates
+        hits = torch.cat(hit_parts)  # [N, D]
+        report["candidate_recall"] = {"per_slot": hits.mean(0).tolist(), "mean": hits.mean().item()}
     if decode_path:
         decode = decode_path_acceptance(
             target, drafter, rows, attention_backend=attention_backend, max_logit_elements=max_logit_elements

@@ -60,6 +60,12 @@ class Workload:
     per_row_terms: bool = False
     variant_teacher: bool = False
     variant_options: tuple = ()  # the variant's settings as sorted (key, value) pairs
+    # DFlash2: local convolutions of this many taps (0: none), channels in groups of ``conv_group_size``
+    # sharing a dynamic kernel, around both sublayers of every layer; a selector of this rank over the top K.
+    conv_kernel: int = 0
+    conv_group_size: int = 1
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     @property
     def queries(self) -> int:
@@ -151,9 +157,18 @@ def variant_head_params(w: Workload, d: DrafterDims) -> tuple[int, int, int]:
     """``(parameters, tensors, largest tensor)`` of the variant's heads (0s for DFlash)."""
     from ..variants import variant_of
 
-    shapes = variant_of(w.variant).head_shapes(dict(w.variant_options), d.hidden, d.vocab)
+    variant, options = variant_of(w.variant), dict(w.variant_options)
+    shapes = variant.head_shapes(options, d.hidden, d.vocab)
+    shapes += variant.layer_shapes(options, d.hidden) * w.drafter_layers
     sizes = [math.prod(shape) for shape in shapes]
     return sum(sizes), len(sizes), max(sizes, default=0)
+
+
+def variant_layer_params(w: Workload, d: DrafterDims) -> int:
+    """Parameters the variant adds to one decoder layer (DFlash2's two convolutions)."""
+    from ..variants import variant_of
+
+    return sum(math.prod(shape) for shape in variant_of(w.variant).layer_shapes(dict(w.variant_options), d.hidden))
 
 
 def drafter_param_tensors(num_layers: int) -> int:
@@ -361,9 +376,38 @@ def layer_saved(d: DrafterDims, w: Workload, device: str, first: bool) -> dict[s
         "mlp": 4 * Q * d.intermediate * c,
         "layer output": Q * h * 4,
     }
+    if w.conv_kernel:
+        out["local convolutions"] = conv_saved(d, w)
     if w.autocast:
         out["bf16 weight copies"] = drafter_matmul_params(d) * 2
     return out
+
+
+def conv_saved(d: DrafterDims, w: Workload) -> int:
+    """DFlash2's two convolutions of a layer (``variants/dflash2._LeanConv`` keeps only its inputs): per
+    sublayer the norm's output ``[Q, H]`` fp32 (the input side's input, which the projections would
+    not otherwise keep) and its bf16 cast for ``kernel_projection`` under autocast, the dynamic kernels
+    ``[Q, 2, kernel, G]`` and the sublayer's output ``[Q, H]`` (the output side's input)."""
+    Q, h, c = w.queries, d.hidden, w.c
+    per_sublayer = Q * h * 4 + (Q * h * c if w.autocast else 0) + Q * 2 * w.conv_kernel * (h // w.conv_group_size) * c + Q * h * c
+    return 2 * per_sublayer
+
+
+def conv_backward_transient(d: DrafterDims, w: Workload) -> int:
+    """``_LeanConv``'s backward: the input gradient it accumulates, a product and a shifted copy ``[Q, H]``
+    (fp32), per application; the sublayer's own backward runs after it."""
+    return 3 * w.queries * d.hidden * 4 if w.conv_kernel else 0
+
+
+def selector_bytes(w: Workload) -> int:
+    """DFlash2's selector loss on the ``n`` loss rows (``variants/dflash2.selector_loss``): the top-K ids
+    and training candidates ``[n, K]`` int64, the candidates' unary logits and scores ``[n, K]`` fp32,
+    the predecessor rows and the projected hidden ``[n, r]`` fp32, and the successor rows ``[n, K, r]``
+    fp32 with their autocast cast (the einsum keeps the cast for backward)."""
+    if not w.selector_rank:
+        return 0
+    n, k, r = w.loss_rows, w.selector_top_k, w.selector_rank
+    return 2 * n * k * 8 + 3 * n * k * 4 + 2 * n * r * 4 + n * k * r * (4 + (2 if w.autocast else 0))
 
 
 def attention_saved(d: DrafterDims, w: Workload, device: str) -> int:
@@ -464,6 +508,7 @@ def layer_backward_peak(
     grad_x = 2 * Q * h * 4  # the gradient arriving at the layer output and the one leaving through the residual
     acc = L * h * 4 if below_has_ctx_grad else 0
     mlp = total + 2 * Q * d.intermediate * c + (h * d.intermediate * c if w.autocast else 0) + grad_x + acc
+    mlp += conv_backward_transient(d, w)
     after_mlp = total - saved["mlp"] - saved["residual + post norm"] - saved["layer output"]
     attn = (
         after_mlp

@@ -267,13 +267,15 @@ def drafter_phases(
         "loss inputs (hidden cast, teacher rows)": F.loss_inputs_bytes(w, h),
         "fused loss workspace": sum(loss_ws.values()),
     }
+    if w.selector_rank:
+        loss["candidate selector (top-K rows)"] = F.selector_bytes(w)
     if retained:
         loss["context features (kept by the graph)"] = retained
     phases["loss"] = loss
 
     # backward: loss backward, then the layers from last to first (recomputed when checkpointed).
     bwd_base = {**static, **({"context features (kept by the graph)": retained} if retained else {})}
-    grad_layers = [4 * F.drafter_layer_params(d)] * w.drafter_layers
+    grad_layers = [4 * (F.drafter_layer_params(d) + F.variant_layer_params(w, d))] * w.drafter_layers
     start = dict(
         bwd_base, **{act_name: saved_all, "fused loss workspace": loss_ws["dh"], tmp_name: F.loss_backward_bytes(w, h)}
     )
@@ -370,9 +372,16 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
     )
     notes = dict(_NOTES)
     d = F.DrafterDims.of(s, w.drafter_intermediate)
+    variant_params = F.variant_head_params(w, d)[0]
     notes["drafter weights (fp32)"] = (
-        f"{(F.drafter_param_count(d, w.drafter_layers, w.num_features) + F.variant_head_params(w, d)[0]) / 1e9:.2f} B parameters"
+        f"{(F.drafter_param_count(d, w.drafter_layers, w.num_features) + variant_params) / 1e9:.2f} B parameters"
+        + (f", {variant_params / 1e6:,.0f} M of them the {w.variant} variant's" if variant_params else "")
     )
+    if w.selector_rank:
+        notes["candidate selector (top-K rows)"] = (
+            f"top {w.selector_top_k} of {w.loss_rows:,} rows; codebooks 2 x {d.vocab:,} x {w.selector_rank} = "
+            f"{2 * d.vocab * w.selector_rank / 1e6:,.0f} M parameters (weights, gradients, AdamW state above)"
+        )
     notes["fused loss workspace"] = f"chunks of {min(chunk, w.loss_rows)} rows over {w.loss_rows:,} rows"
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     notes["temporaries (largest step)"] = {

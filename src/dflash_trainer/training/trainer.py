@@ -40,7 +40,7 @@ from ..inference.acceptance import EvalInputError, acceptance_report
 from ..io import atomic_write
 from ..model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
 from ..model.target import TargetModel
-from ..variants import make_drafter
+from ..variants import make_drafter, variant_of
 from .checkpoint import (
     config_changes,
     load_training_state,
@@ -315,8 +315,10 @@ class Trainer:
         self.c.rows_without_anchors += skipped
         self.c.rows_consumed = self.plan.next_g
         mine = self._my_rows(rows)
-        # [loss, ce, kl, cap, accuracy, tokens, finite]: summed over this rank's rows, then over drafter ranks
-        totals = torch.zeros(7, dtype=torch.float64)
+        # [loss, ce, kl, cap, accuracy, tokens, finite, *the variant's logged metrics]: summed over this
+        # rank's rows, then over drafter ranks
+        extra = variant_of(self.drafter.spec).logged_metrics
+        totals = torch.zeros(7 + len(extra), dtype=torch.float64)
         totals[6] = 1.0
         for j, g in enumerate(mine):
             feats = (
@@ -339,6 +341,8 @@ class Trainer:
             totals[0] += loss.item() / cfg.train.grad_accum
             for k, name in enumerate(("ce", "kl", "cap", "accuracy"), start=1):
                 totals[k] += metrics[name].item() / cfg.train.grad_accum
+            for k, name in enumerate(extra, start=7):
+                totals[k] += float(metrics[name]) / cfg.train.grad_accum
             totals[5] += feats.input_ids.numel()
         if self.data_parallel:
             finite_flag = totals[6].clone()
@@ -369,6 +373,7 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         out = {name: totals[k].item() for k, name in enumerate(("loss", "ce", "kl", "cap", "accuracy"))}
+        out.update({name: totals[k].item() for k, name in enumerate(extra, start=7)})
         return {**out, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
 
     def _on_signal(self, signum, _frame):

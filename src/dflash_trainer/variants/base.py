@@ -20,6 +20,7 @@ class Variant:
     name = "dflash"
     speculators_type = "dflash"  # the ``speculators_model_type`` of its speculators export
     head_names: tuple[str, ...] = ()  # attribute names ``heads`` may add (their tensors' name prefixes)
+    logged_metrics: tuple[str, ...] = ()  # scalar metrics of ``loss`` the trainer logs each step (metrics.jsonl)
 
     def read_speculators_config(self, cfg: dict, where: str) -> dict:
         """The variant options (``DrafterSpec.variant_options``) of a speculators ``config.json`` of this
@@ -113,6 +114,11 @@ class Variant:
     def draft_confidence(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
         """``[g, D]`` predicted acceptance of each draft slot of blocks ``hidden`` ``[g, B, H]`` (a
         confidence head's, along the drafts ``draft_logits`` reads), or None: DFlash has no such head."""
+        return None
+
+    def candidate_hits(self, drafter: DFlashDrafter, hidden: torch.Tensor, greedy: torch.Tensor):
+        """``[g, D]`` bool: whether each slot's target token (``greedy`` ``[g, D]``) is among the tokens the
+        variant can draft there (DFlash2's unary top K) for blocks ``hidden`` ``[g, B, H]``; None: any token."""
         return None
 
     @torch.no_grad()

@@ -58,10 +58,53 @@ def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Ten
     out = None
     for tap in range(kernel):
         # shift by ``tap`` slots inside each block: the first ``tap`` slots see zeros, never the block before
-        shifted = blocks if tap == 0 else F.pad(blocks[:, :-tap], (0, 0, 0, 0, tap, 0))
-        term = shifted * (base[tap] + dyn[:, :, tap])
+        term = _shift(blocks, tap) * (base[tap] + dyn[:, :, tap])
         out = term if out is None else out + term
     return out.view(t_rows, hidden)
+
+
+def _shift(blocks: torch.Tensor, tap: int, forward: bool = True) -> torch.Tensor:
+    """``[nb, B, ...]`` shifted by ``tap`` slots inside each block (zeros where the slot leaves it):
+    ``forward`` moves slot j to j + tap (what slot j + tap reads), else slot j + tap to j."""
+    if tap == 0:
+        return blocks
+    pad = [0, 0] * (blocks.dim() - 2)
+    if forward:
+        return F.pad(blocks[:, :-tap], (*pad, tap, 0))
+    return F.pad(blocks[:, tap:], (*pad, 0, tap))
+
+
+class _LeanConv(torch.autograd.Function):
+    """``grouped_dynamic_conv`` keeping only its inputs for the backward pass: autograd through the
+    plain formula saves a shifted copy and a coefficient tensor of ``[T, H]`` per tap, 4 x kernel of
+    them per layer (about 20 GB at 24,576 slots x hidden 5120 x 5 layers in bf16); this saves the
+    input (which the sublayer keeps anyway) and recomputes the taps. Tested equal in float64."""
+
+    @staticmethod
+    def forward(ctx, x, dynamic, base, block: int):
+        ctx.save_for_backward(x, dynamic, base)
+        ctx.block = block
+        with torch.no_grad():
+            return grouped_dynamic_conv(x, dynamic, base, block)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, dynamic, base = ctx.saved_tensors
+        t_rows, hidden = x.shape
+        kernel, groups = base.shape[0], dynamic.shape[-1]
+        view = (t_rows // ctx.block, ctx.block, groups, hidden // groups)
+        xb, gb = x.view(view), grad_out.view(view)
+        dyn = dynamic.view(*view[:2], kernel, groups, 1)
+        base_b = base.to(x.dtype).view(kernel, groups, hidden // groups)
+        dx = torch.zeros_like(xb)
+        ddyn, dbase = torch.empty_like(dyn), torch.empty_like(base_b)
+        for tap in range(kernel):
+            # out[j] += x[j - tap] * coef[j, tap]: x[i] gets g[i + tap] * coef[i + tap, tap]
+            dx += _shift(gb * (base_b[tap] + dyn[:, :, tap]), tap, forward=False)
+            prod = gb * _shift(xb, tap)  # g[j] * x[j - tap]
+            dbase[tap] = prod.sum((0, 1))
+            ddyn[:, :, tap] = prod.sum(-1, keepdim=True)
+        return dx.view(t_rows, hidden), ddyn.view_as(dynamic), dbase.view_as(base).to(base.dtype), None
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -80,11 +123,11 @@ class GroupedDynamicCausalConv(nn.Module):
     def prepare(self, x: torch.Tensor):
         """The sublayer's input ``[T, H]`` -> (convolved input, the output side's dynamic kernel)."""
         dyn = self.kernel_projection(x).view(x.shape[0], 2, self.kernel, self.groups)
-        return grouped_dynamic_conv(x, dyn[:, 0], self.base_kernel[0], self.block), dyn[:, 1]
+        return _LeanConv.apply(x, dyn[:, 0], self.base_kernel[0], self.block), dyn[:, 1]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
         """The sublayer's output ``[T, H]`` convolved with the kernel ``prepare`` projected."""
-        return grouped_dynamic_conv(y, dynamic, self.base_kernel[1], self.block)
+        return _LeanConv.apply(y, dynamic, self.base_kernel[1], self.block)
 
 
 class CandidateSelector(nn.Module):
@@ -133,6 +176,7 @@ class DFlash2Variant(Variant):
     name = "dflash2"
     speculators_type = "dflash2"
     head_names = ("candidate_selector",)
+    logged_metrics = ("selector_ce", "candidate_recall", "selector_accuracy")
 
     def read_speculators_config(self, cfg: dict, where: str) -> dict:
         """The settings of a speculators ``dflash2`` config (or z-lab's ``dflash_config``); a missing field
@@ -182,6 +226,15 @@ class DFlash2Variant(Variant):
         kernel, groups = options["conv_kernel_size"], hidden // options["conv_group_size"]
         conv = [(2, kernel, hidden), (2 * kernel * groups, hidden)]
         return conv + conv  # around attention, around the MLP
+
+    def planner_terms(self, options: dict) -> dict:
+        return {
+            **super().planner_terms(options),
+            "conv_kernel": options["conv_kernel_size"],
+            "conv_group_size": options["conv_group_size"],
+            "selector_rank": options["selector_rank"],
+            "selector_top_k": options["selector_top_k"],
+        }
 
     def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
         return None  # z-lab's layout (DFlash2DraftModel) and speculators' dflash2 both hold it
@@ -290,6 +343,13 @@ class DFlash2Variant(Variant):
         """``[g, D, V]``: the selector walk's scores (``walk``), already in the transformed space of the
         head's logits (their argmax is the walk's draft; -inf outside a slot's K candidates)."""
         return self.walk(drafter, hidden, anchors)[0]
+
+    @torch.no_grad()
+    def candidate_hits(self, drafter: DFlashDrafter, hidden: torch.Tensor, greedy: torch.Tensor):
+        """``[g, D]``: the target's token among the slot's K unary candidates (the selector cannot draft others)."""
+        unary = transform_logits(_upcast(drafter.block_logits(hidden[:, 1:])), **drafter.spec.logit_options)
+        cand = unary.topk(drafter.candidate_selector.top_k, dim=-1).indices
+        return (cand == greedy[..., None]).any(-1)
 
     @torch.no_grad()
     def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
