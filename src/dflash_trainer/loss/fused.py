@@ -38,6 +38,15 @@ same CAP subset. DSpark's per-row terms (acceptance, Renyi-1/2, D-PARD credit) r
 and Triton kernels' row passes and in the eager passes (``PER_ROW_KINDS``); where inductor would run,
 such a call runs the eager passes. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
 another implementation.
+
+DFlash2's candidates (``top_k`` K > 0): each row's K largest transformed student logits and their ids
+come out of the same chunk loop, so that the candidate selector only ever sees ``[N, K]``. The native
+kernel selects them in its row pass from the block maxima its first pass already has (it reads only
+the few blocks of the row that hold them; no extra ``[c, V]`` buffer); the eager passes run
+``torch.topk`` over the chunk's transformed logits, and after the Triton and inductor kernels a
+``torch.topk`` reads the chunk's raw-logit buffer once more (then K values per row are transformed).
+The loss and its gradient do not depend on ``top_k`` (bit-identical); measured cost in
+``benchmarks/results/loss_topk.md``.
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class LossTerms:
     acceptance: bool = False
     dpard: bool = False
     dpard_alpha: float = 0.5
+    # DFlash2's candidates: each row's top_k largest transformed student logits and their ids (0: off)
+    top_k: int = 0
 
     @property
     def per_row_terms(self) -> bool:
@@ -182,11 +193,14 @@ def _eager_chunk(
     transient (logsumexp / entropy reductions). DSpark's per-row terms (``t.per_row_terms``) add one
     buffer ``r`` (teacher probabilities, then sqrt(p q), then the Renyi gradient) and one transient;
     ``credit`` turns the chunk's acceptance ``[c]`` into its rows' coefficients (D-PARD), and
-    ``extra`` (a dict) receives ``accept``, ``renyi`` and ``coef`` ``[c]``.
+    ``extra`` (a dict) receives ``accept``, ``renyi`` and ``coef`` ``[c]``, and with ``t.top_k`` K > 0
+    ``topk`` = (logits ``[c, K]``, ids ``[c, K]``) of ``torch.topk`` over the transformed logits.
     """
     a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
     zs = _logits(hs_rows, weight, t, buffers["zs"], bias)  # [c, V]
     m_s, s_arg = zs.max(-1)  # one pass gives the shift for a stable softmax and the argmax
+    if t.top_k and extra is not None:  # zs is never written in place below: any point would do
+        extra["topk"] = tuple(torch.topk(zs, t.top_k, dim=-1))
     p = torch.sub(zs, m_s[:, None], out=buffers["p"]).exp_()
     sum_s = p.sum(-1)
     lse = m_s + sum_s.log()  # [c]
@@ -280,7 +294,12 @@ def _kernel_chunk(
     row pass: acceptance and Renyi value per row, the Renyi gradient inside G. With D-PARD a row's
     coefficient is its block's credit, known only once the kernel has the acceptance of all the
     block's rows: the kernel then writes G with coefficient 1, and the credit scales G's rows on the
-    small sides of the GEMMs that follow (``[c, H]``, ``[c, r]``), never as another pass over G."""
+    small sides of the GEMMs that follow (``[c, H]``, ``[c, r]``), never as another pass over G.
+
+    DFlash2's candidates (``t.top_k`` K > 0) go to ``extra["topk"]`` (logits ``[c, K]``, ids ``[c, K]``):
+    the native kernel selects them in its row pass; after the Triton and inductor kernels a
+    ``torch.topk`` reads the chunk's raw-logit buffer once more and the K values are transformed
+    (the transform is monotone: increasing, or decreasing for a negative logit scale)."""
     zs_raw = torch.mm(hs_rows, weight.T, out=buffers["zs"])  # [c, V] untransformed
     if bias is not None:
         bias.add_to(zs_raw)
@@ -289,6 +308,13 @@ def _kernel_chunk(
     out = epilogue(zs_raw, zt_raw, y_data, torch.ones_like(coef) if credit is not None else coef, g, t)
     if out is None:
         return None
+    if t.top_k:
+        if epilogue is _native_epilogue:
+            *out, top_ids, top_logits = out
+        else:
+            top_raw, top_ids = torch.topk(zs_raw, t.top_k, dim=-1, largest=t.logit_scale >= 0)
+            top_logits = _transformed(top_raw.to(coef.dtype), t)
+        extra["topk"] = (top_logits, top_ids)
     if t.per_row_terms:
         *out, accept, renyi = out
         if credit is not None:
@@ -314,7 +340,7 @@ def _kernel_chunk(
 
 def _native_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
     """The row-resident CPU kernel (``loss/native.py``): row terms (with DSpark's per-row terms,
-    acceptance and Renyi after them), G in ``g_out``."""
+    acceptance and Renyi after them; then DFlash2's top-K ids and logits), G in ``g_out``."""
     return native.chunk_epilogue(
         zs_raw,
         zt_raw,
@@ -328,6 +354,7 @@ def _native_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
         t.softcap,
         t.renyi_weight,
         t.per_row_terms,
+        t.top_k,
     )
 
 
@@ -630,7 +657,9 @@ def _run_chunks(
     (``EPILOGUES``; None: the eager passes of ``_eager_chunk``). ``bias_rows`` ``[n, r]`` and
     ``bias_weight`` ``[V, r]`` are the Markov bias (``ChunkBias``); ``block_ids`` ``[n]`` (D-PARD) keeps
     every block inside one chunk. ``extras``: ``accept`` ``[N]`` (with per-row terms), ``dbias_rows``
-    ``[N, r]`` and ``dbias_weight`` ``[V, r]`` (with a bias and ``want_grad``), else None.
+    ``[N, r]`` and ``dbias_weight`` ``[V, r]`` (with a bias and ``want_grad``), else None; always
+    ``topk_ids`` ``[N, K]`` int64 and ``topk_logits`` ``[N, K]`` (K = ``t.top_k``, maybe 0), -1 and -inf
+    at weight-0 rows.
     """
     n, hidden = hs.shape
     f = torch.promote_types(hs.dtype, torch.float32)
@@ -667,6 +696,8 @@ def _run_chunks(
     de_cap = torch.zeros(rows_in, rank, dtype=f, device=dev) if (de is not None and dh_cap is not None) else None
     dw2_cap = torch.zeros(vocab, rank, dtype=f, device=dev) if de_cap is not None else None
     accept_rows = torch.zeros(rows_in, dtype=f, device=dev) if t.per_row_terms else None
+    topk_ids = torch.full((rows_in, t.top_k), -1, dtype=torch.int64, device=dev)
+    topk_logits = torch.full((rows_in, t.top_k), -torch.inf, dtype=f, device=dev)
     inv_rows = 1.0 / n  # D-PARD: sum_t W_t l_t / (rows with loss), as speculators normalizes its credit
 
     for rows in bounds:
@@ -710,6 +741,10 @@ def _run_chunks(
         accept = extra.get("accept")
         if accept_rows is not None:
             accept_rows.index_copy_(0, keep[rows], accept)
+        if t.top_k:
+            top_logits, top_ids = extra["topk"]
+            topk_ids.index_copy_(0, keep[rows], top_ids)
+            topk_logits.index_copy_(0, keep[rows], top_logits.to(f))
 
         if dh_cap is not None and correct.any():
             # d entropy / dz = -(1/Tc) pc (log pc + H), on the correct rows only.
@@ -760,6 +795,7 @@ def _run_chunks(
             de.add_(de_cap, alpha=t.cap_weight / n_correct)
             dw2.add_(dw2_cap, alpha=t.cap_weight / n_correct)
     extras = {"accept": accept_rows, "dbias_rows": de, "dbias_weight": dw2}
+    extras.update(topk_ids=topk_ids, topk_logits=topk_logits)
     return loss, stats, dh, extras
 
 
@@ -842,9 +878,13 @@ def _loss_forward(
     acceptance: bool = False,
     dpard: bool = False,
     dpard_alpha: float = 0.5,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    top_k: int = 0,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     """``(loss [], stats [max(num_slots, 1), 9] float64, dh [N, H] or [0, H], accept [N] or [0],
-    dbias_rows [N, r] or [0, r], dbias_weight [V, r] or [0, r])`` of ``hs`` ``[N, H]``.
+    dbias_rows [N, r] or [0, r], dbias_weight [V, r] or [0, r], topk_ids [N, K] int64,
+    topk_logits [N, K])`` of ``hs`` ``[N, H]``, K = ``top_k`` (0: both ``[N, 0]``).
 
     ``num_slots`` 0: no slots; ``policy`` is ``fused_draft_loss``'s ``compile`` as a string ("auto",
     "native", "inductor", "true", "false"); ``dh`` (fp32, fp64 for fp64 inputs) is d loss / d hs, zero
@@ -867,6 +907,7 @@ def _loss_forward(
         acceptance,
         dpard,
         dpard_alpha,
+        top_k,
     )
     keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
     grad_rows = n if (want_grad and rank) else 0
@@ -876,7 +917,9 @@ def _loss_forward(
         accept = hs.new_zeros(n if terms.per_row_terms else 0, dtype=f)
         de = hs.new_zeros(grad_rows, rank, dtype=f)
         dw2 = hs.new_zeros(weight.shape[0] if grad_rows else 0, rank, dtype=f)
-        return hs.new_zeros((), dtype=f), stats, dh, accept, de, dw2
+        top_ids = torch.full((n, top_k), -1, dtype=torch.int64, device=hs.device)
+        top_logits = torch.full((n, top_k), -torch.inf, dtype=f, device=hs.device)
+        return hs.new_zeros((), dtype=f), stats, dh, accept, de, dw2, top_ids, top_logits
     compile = {"true": True, "false": False}.get(policy, policy)
     kind = epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0], terms.per_row_terms)
     compiled = EPILOGUES[kind]
@@ -903,7 +946,7 @@ def _loss_forward(
     accept = extras["accept"] if extras["accept"] is not None else hs.new_zeros(0, dtype=f)
     de = extras["dbias_rows"] if extras["dbias_rows"] is not None else hs.new_zeros(0, rank, dtype=f)
     dw2 = extras["dbias_weight"] if extras["dbias_weight"] is not None else hs.new_zeros(0, rank, dtype=f)
-    return loss.to(f), stats, dh, accept, de, dw2
+    return loss.to(f), stats, dh, accept, de, dw2, extras["topk_ids"], extras["topk_logits"]
 
 
 fused_draft_loss_op = torch.library.custom_op(f"{OP_NAMESPACE}::fused_draft_loss", _loss_forward, mutates_args=())
@@ -917,6 +960,7 @@ def _(hs, ht, weight, labels, weights, slot_ids, num_slots, *rest):
     f = torch.promote_types(hs.dtype, torch.float32)
     n, rank = hs.shape[0], (bias_rows.shape[1] if bias_rows is not None else 0)
     grad_rows = n if (want_grad and rank) else 0
+    top_k = rest[17] if len(rest) > 17 else 0
     stats = hs.new_empty(max(num_slots, 1), STATS_COLUMNS, dtype=torch.float64)
     return (
         hs.new_empty((), dtype=f),
@@ -925,6 +969,8 @@ def _(hs, ht, weight, labels, weights, slot_ids, num_slots, *rest):
         hs.new_empty(n if per_row else 0, dtype=f),
         hs.new_empty(grad_rows, rank, dtype=f),
         hs.new_empty(weight.shape[0] if grad_rows else 0, rank, dtype=f),
+        hs.new_empty(n, top_k, dtype=torch.int64),
+        hs.new_empty(n, top_k, dtype=f),
     )
 
 
@@ -1026,6 +1072,7 @@ def fused_draft_loss(
     acceptance: bool = False,
     dpard: bool = False,
     dpard_alpha: float = 0.5,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, dict]:
     """The draft loss of ``student_hidden`` against ``teacher_hidden`` through the frozen head.
 
@@ -1062,6 +1109,15 @@ def fused_draft_loss(
     These per-row terms need the teacher. They are computed in the chunk's row pass with the other
     terms: in the native CPU kernel (the CPU's default), the Triton kernel (CUDA's) and the eager
     passes; a call that would run inductor's kernel runs the eager passes (``PER_ROW_KINDS``).
+
+    ``top_k`` K in ``[0, V]`` (DFlash2's candidates, 0 by default): the metrics gain ``topk_ids``
+    ``[N, K]`` int64 and ``topk_logits`` ``[N, K]`` (fp32, fp64 for fp64 inputs; detached): each row's K
+    largest student logits as the loss uses them (logit scale, softcap and the Markov bias applied),
+    sorted descending, with their token ids; ids -1 and logits -inf at rows with weight 0. Ties come in
+    the order of ``torch.topk`` (the native kernel: lower id first). Selected per chunk inside the loss
+    pass, never from ``[N, V]``; the loss, its gradients and the other metrics are unchanged. Cost: in
+    the native kernel a selection over the few blocks of each row that hold the top K (the block maxima
+    come from a pass it makes anyway); elsewhere one ``torch.topk`` per chunk over ``[c, V]``.
     """
     hs, ht, w_head = student_hidden, teacher_hidden, lm_head_weight
     _check("student_hidden", hs.dim() == 2 and hs.is_floating_point(), "a floating [N, H] tensor", tuple(hs.shape))
@@ -1118,6 +1174,12 @@ def fused_draft_loss(
     _check("renyi_weight", renyi_weight >= 0, ">= 0", renyi_weight)
     _check("dpard_alpha", 0.0 < dpard_alpha <= 1.0, "in (0, 1]", dpard_alpha)
     _check("teacher_hidden", not per_row or ht is not None, "given for acceptance, Renyi or D-PARD", None)
+    _check(
+        "top_k",
+        isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k <= vocab,
+        f"an int in [0, {vocab}] (the vocabulary)",
+        repr(top_k),
+    )
     _check("block_ids", not dpard or (block_ids is not None and block_ids.shape == (n,)), f"[{n}] with dpard", None)
     if bias_rows is not None or bias_weight is not None:
         _check(
@@ -1127,7 +1189,7 @@ def fused_draft_loss(
         _check("bias_weight", bias_weight is not None and bias_weight.shape == (vocab, r), f"[{vocab}, {r}]", None)
         _check("bias_rows.dtype", bias_rows.dtype == hs.dtype == bias_weight.dtype, f"{hs.dtype}", bias_rows.dtype)
     policy = ("true" if compile else "false") if isinstance(compile, bool) else compile
-    loss, stats, _, accept, _, _ = fused_draft_loss_op(
+    loss, stats, _, accept, _, _, topk_ids, topk_logits = fused_draft_loss_op(
         hs,
         ht,
         w_head.detach(),
@@ -1152,10 +1214,13 @@ def fused_draft_loss(
         acceptance,
         dpard,
         dpard_alpha,
+        top_k,
     )
     metrics = _metrics(stats, ht is not None, slot_ids is not None, per_row)
     if per_row:
         metrics["accept_rows"] = accept
+    if top_k:
+        metrics["topk_ids"], metrics["topk_logits"] = topk_ids, topk_logits
     return loss, metrics
 
 

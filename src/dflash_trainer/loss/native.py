@@ -136,7 +136,7 @@ def load() -> ctypes.CDLL | None:
     for name, _ in ENTRY.values():
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, f64, f64, f64, f64, f64, f64, i32, i32]
-        fn.argtypes += [ptr] * 8
+        fn.argtypes += [ptr] * 8 + [i64, ptr, ptr]
         fn.restype = ctypes.c_int
     lib.dflash_openmp.restype = ctypes.c_int
     lib.dflash_exp_f32.argtypes = [ptr, ptr, i64]
@@ -164,11 +164,14 @@ def chunk_epilogue(
     softcap,
     renyi_weight=0.0,
     per_row=False,
+    top_k=0,
 ):
     """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``; with
     ``per_row`` also ``(accept, renyi)`` ``[c]`` (DSpark: ``sum_v min(p_v, q_v)`` and
     ``-2 log sum_v sqrt(p_v q_v)`` of the student p and teacher q at T = 1), and G then includes
-    ``renyi_weight`` times the Renyi term's gradient, scaled by ``coef`` like the other terms.
+    ``renyi_weight`` times the Renyi term's gradient, scaled by ``coef`` like the other terms; with
+    ``top_k`` K > 0 last ``(top_ids [c, K] int64, top_logits [c, K])``: the K largest transformed student
+    logits of each row, sorted descending (ties: lower id first), selected in the kernel's row pass.
 
     ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (head dtype, contiguous; ``zt_raw`` may be None, not
     with ``per_row``), ``y`` ``[c]`` int64 data labels or None (teacher labels), ``coef`` ``[c]`` =
@@ -187,6 +190,11 @@ def chunk_epilogue(
     coef = coef.contiguous()
     lse, z_y, entropy, kl, accept, renyi = (torch.empty(c, dtype=compute) for _ in range(6))
     s_arg, t_arg = torch.empty(c, dtype=torch.int64), torch.full((c,), -1, dtype=torch.int64)
+    if not 0 <= top_k <= vocab:
+        raise ValueError(f"chunk_epilogue: top_k must be in [0, {vocab}], got {top_k}")
+    top_ids = torch.empty(c, top_k, dtype=torch.int64)
+    top_logits = torch.empty(c, top_k, dtype=compute)
+    top = (top_ids, top_logits) if top_k else (None, None)
     fn = getattr(lib, name)
     terms = (kl_weight, temperature, cap_temperature, logit_scale, softcap or 0.0, renyi_weight, int(per_row))
 
@@ -197,7 +205,7 @@ def chunk_epilogue(
         return fn(
             at(zs_raw, vocab), at(zt_raw, vocab), r1 - r0, vocab, at(y, 1), at(coef, 1), at(g_out, vocab),
             *terms, threads, at(lse, 1), at(z_y, 1), at(entropy, 1), at(kl, 1), at(s_arg, 1), at(t_arg, 1),
-            at(accept, 1), at(renyi, 1),
+            at(accept, 1), at(renyi, 1), top_k, at(top[0], top_k), at(top[1], top_k),
         )  # fmt: skip
 
     threads = min(torch.get_num_threads(), c)
@@ -212,7 +220,8 @@ def chunk_epilogue(
     if any(codes):
         raise ValueError(f"chunk_epilogue: the kernel refused a chunk of shape {tuple(zs_raw.shape)}")
     out = (lse, z_y, s_arg, (t_arg if zt_raw is not None else None), entropy, kl)
-    return (*out, accept, renyi) if per_row else out
+    out = (*out, accept, renyi) if per_row else out
+    return (*out, top_ids, top_logits) if top_k else out
 
 
 def exp_f32(x: torch.Tensor) -> torch.Tensor:

@@ -40,15 +40,19 @@ def reference_draft_loss(
     acceptance: bool = False,
     dpard: bool = False,
     dpard_alpha: float = 0.5,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Returns ``(loss, metrics)``; computed in float64 if the inputs are, else float32."""
+    """Returns ``(loss, metrics)``; computed in float64 if the inputs are, else float32. With ``top_k``
+    K > 0 the metrics hold ``topk_ids`` ``[N, K]`` and ``topk_logits`` ``[N, K]``: ``torch.topk`` of the
+    full transformed student logits, -1 and -inf at weight-0 rows."""
     f = torch.promote_types(student_hidden.dtype, torch.float32)
     w_mat = lm_head_weight.to(f)
     keep = weights > 0
     raw = student_hidden.to(f) @ w_mat.T
     if bias_rows is not None:
         raw = raw + bias_rows.to(f) @ bias_weight.to(f).T  # the full [N, V] bias: this is the reference
-    zs = transform_logits(raw, logit_scale, softcap)[keep]  # [n, V]
+    z_all = transform_logits(raw, logit_scale, softcap)  # [N, V]
+    zs = z_all[keep]  # [n, V]
     w = weights[keep].to(f)
     y = labels[keep]
     zt = None
@@ -107,4 +111,8 @@ def reference_draft_loss(
         rows = torch.zeros(weights.shape[0], dtype=f, device=weights.device)
         rows[keep] = accept
         metrics["accept_rows"] = rows
+    if top_k:
+        top_logits, top_ids = torch.topk(z_all.detach(), top_k, dim=-1)
+        metrics["topk_ids"] = torch.where(keep[:, None], top_ids, -1)
+        metrics["topk_logits"] = torch.where(keep[:, None], top_logits, -torch.inf)
     return loss, metrics

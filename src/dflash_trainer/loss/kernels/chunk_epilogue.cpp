@@ -13,10 +13,13 @@
 // Row results: lse, z_y, entropy (CAP statistic), KL, student and teacher argmax; with DSpark's per-row
 // terms also the acceptance a = sum min(p, q) and the Renyi-1/2 term -2 log sum sqrt(p q) of the student
 // p and the teacher q at T = 1 (pass 2 stores the teacher's e^u at T = 1 and sums sqrt(e^d e^u); one
-// more pass over the two stored rows sums the acceptance; pass 3 adds the Renyi gradient). The compute type is
+// more pass over the two stored rows sums the acceptance; pass 3 adds the Renyi gradient); with top_k > 0
+// the K largest student logits and their ids (row_top_k: reads only the blocks of the row that hold them,
+// found from pass 1's block maxima). The compute type is
 // float for bf16/fp32 heads (sums accumulated in blocks, then in double) and double for fp64 heads.
 // Plain C++ for the compiler's auto-vectorizer (-O3 -march=native -fopenmp-simd); no libraries.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,10 +99,10 @@ struct Logits {
     C operator[](int64_t j) const { return load(p[j]) * scale; }
 };
 
-// Pass 1: the row maximum, and the index of its first occurrence in *argmax.
+// Pass 1: the row maximum, and the index of its first occurrence in *argmax; the maximum of each block
+// of BLOCK logits stays in block_max (the top-K selection below reads it).
 template <typename S, typename C>
-C row_max(Logits<S, C> z, int64_t V, int64_t* argmax) {
-    static thread_local std::vector<C> block_max;
+C row_max(Logits<S, C> z, int64_t V, int64_t* argmax, std::vector<C>& block_max) {
     block_max.resize((V + BLOCK - 1) / BLOCK);
     C m = -std::numeric_limits<C>::infinity();
     for (int64_t b0 = 0, b = 0; b0 < V; b0 += BLOCK, ++b) {
@@ -125,6 +128,51 @@ C row_max(Logits<S, C> z, int64_t V, int64_t* argmax) {
         }
     }
     return m;
+}
+
+// The K largest logits of a row and their ids, sorted descending, ties by the lower id (DFlash2's
+// candidates). No pass of its own over the row: the blocks are visited in descending order of the
+// block maxima that pass 1 left, and the visit stops at the first block whose maximum is below the
+// K-th best so far, so only the few blocks that hold the top K are read (at most K of them, plus ties).
+// Within a block, a logit enters a min-heap of K (its top the worst kept) only when it beats that top.
+template <typename S, typename C>
+void row_top_k(Logits<S, C> z, int64_t V, const std::vector<C>& block_max, int64_t K, int64_t* ids, C* vals) {
+    struct Entry {
+        C v;
+        int64_t j;
+    };
+    const auto better = [](const Entry& x, const Entry& y) { return x.v > y.v || (x.v == y.v && x.j < y.j); };
+    static thread_local std::vector<Entry> heap;
+    static thread_local std::vector<int64_t> order;
+    heap.clear();
+    const int64_t blocks = int64_t(block_max.size());
+    order.resize(blocks);
+    for (int64_t b = 0; b < blocks; ++b) order[b] = b;
+    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+        return block_max[x] > block_max[y] || (block_max[x] == block_max[y] && x < y);
+    });
+    for (const int64_t b : order) {
+        const bool full = int64_t(heap.size()) == K;
+        if (full && block_max[b] < heap.front().v) break;  // this block and every later one hold nothing better
+        const int64_t b1 = (b + 1) * BLOCK < V ? (b + 1) * BLOCK : V;
+        for (int64_t j = b * BLOCK; j < b1; ++j) {
+            const Entry e{z[j], j};
+            if (int64_t(heap.size()) < K) {
+                heap.push_back(e);
+                std::push_heap(heap.begin(), heap.end(), better);
+            } else if (better(e, heap.front())) {
+                std::pop_heap(heap.begin(), heap.end(), better);
+                heap.back() = e;
+                std::push_heap(heap.begin(), heap.end(), better);
+            }
+        }
+    }
+    std::sort_heap(heap.begin(), heap.end(), better);  // best first
+    const int64_t kept = int64_t(heap.size());
+    for (int64_t i = 0; i < K; ++i) {  // fewer than K only in a row of NaN (never compared as kept)
+        ids[i] = i < kept ? heap[i].j : -1;
+        vals[i] = i < kept ? heap[i].v : std::numeric_limits<C>::quiet_NaN();
+    }
 }
 
 // The softcap z = cap tanh(scale raw / cap), into scratch (tanh is the costly part: done once per logit).
@@ -266,13 +314,13 @@ void row_gradient_of(bool kl, bool general, bool renyi, Logits<S, C> z, const C*
 template <bool SOFTCAP, typename S, typename I, typename C>
 void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int64_t V, const int64_t* labels,
                    const C* coef, I* g, const Terms& t, C* lse, C* z_y, C* entropy, C* kl, int64_t* s_arg,
-                   int64_t* t_arg, C* accept, C* renyi) {
+                   int64_t* t_arg, C* accept, C* renyi, int64_t top_k, int64_t* top_ids, C* top_vals) {
     const double a = t.kl_weight, T = t.temperature, Tc = t.cap_temperature;
     const bool kl_on = zt_raw != nullptr && a > 0, tempered = kl_on && T != 1.0, cap_tempered = Tc != 1.0;
     const bool per_row = t.per_row && zt_raw != nullptr, renyi_on = per_row && t.renyi_weight > 0;
     const bool softcap = SOFTCAP;
     // e^d, e^u, e^u1 (per-row terms), and with a softcap both rows' z: reused across calls
-    static thread_local std::vector<C> scratch;
+    static thread_local std::vector<C> scratch, block_max;
     scratch.resize((softcap ? 5 : 3) * V);
     C *es = scratch.data(), *eu = es + V;
     C* et = (kl_on && !tempered) ? eu : eu + V;  // the teacher at T = 1: e^u itself when T = 1
@@ -288,9 +336,10 @@ void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int
             z = {zs_cap, C(1)};
             zt = {zt_cap, C(1)};
         }
-        const C m_s = row_max(z, V, &s_arg[r]);
+        const C m_s = row_max(z, V, &s_arg[r], block_max);
+        if (top_k > 0) row_top_k(z, V, block_max, top_k, top_ids + r * top_k, top_vals + r * top_k);
         C m_t = 0;
-        if (zt_raw != nullptr) m_t = row_max(zt, V, &t_arg[r]);
+        if (zt_raw != nullptr) m_t = row_max(zt, V, &t_arg[r], block_max);
         const int64_t y = labels != nullptr ? labels[r] : t_arg[r];
         z_y[r] = z[y];
 
@@ -354,8 +403,8 @@ void rows_of_chunk(const I* zs_raw, const I* zt_raw, int64_t r0, int64_t r1, int
 template <typename I, typename C>
 int chunk(const I* zs_raw, const I* zt_raw, int64_t rows, int64_t V, const int64_t* labels, const C* coef, I* g,
           const Terms& t, int threads, C* lse, C* z_y, C* entropy, C* kl, int64_t* s_arg, int64_t* t_arg,
-          C* accept, C* renyi) {
-    if (V < 1 || rows < 0) return 1;
+          C* accept, C* renyi, int64_t top_k, int64_t* top_ids, C* top_vals) {
+    if (V < 1 || rows < 0 || top_k < 0 || top_k > V) return 1;
     if (threads < 1) threads = 1;
     if (threads > rows) threads = int(rows);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
@@ -363,10 +412,10 @@ int chunk(const I* zs_raw, const I* zt_raw, int64_t rows, int64_t V, const int64
         const int64_t r0 = rows * i / threads, r1 = rows * (i + 1) / threads;
         if (t.softcap > 0)
             rows_of_chunk<true, C>(zs_raw, zt_raw, r0, r1, V, labels, coef, g, t, lse, z_y, entropy, kl, s_arg, t_arg,
-                                   accept, renyi);
+                                   accept, renyi, top_k, top_ids, top_vals);
         else
             rows_of_chunk<false, I>(zs_raw, zt_raw, r0, r1, V, labels, coef, g, t, lse, z_y, entropy, kl, s_arg, t_arg,
-                                    accept, renyi);
+                                    accept, renyi, top_k, top_ids, top_vals);
     }
     return 0;
 }
@@ -377,15 +426,16 @@ extern "C" {
 
 // One entry point per (head dtype, compute dtype). Arrays are contiguous rows of V; zt_raw, labels and
 // g may be null (no teacher; teacher labels; no gradient), accept and renyi are read only with per_row
-// (which needs zt_raw). Returns 0, or 1 for an unsupported request.
+// (which needs zt_raw), top_ids and top_vals (rows of top_k) only with top_k > 0. Returns 0, or 1 for
+// an unsupported request.
 #define DFLASH_ENTRY(NAME, I, C)                                                                                  \
     int NAME(const I* zs, const I* zt, int64_t rows, int64_t V, const int64_t* labels, const C* coef, I* g,      \
              double a, double T, double Tc, double scale, double cap, double renyi_weight, int per_row,         \
              int threads, C* lse, C* z_y, C* entropy, C* kl, int64_t* s_arg, int64_t* t_arg, C* accept,        \
-             C* renyi) {                                                                                         \
+             C* renyi, int64_t top_k, int64_t* top_ids, C* top_vals) {                                           \
         if (per_row && zt == nullptr) return 1;                                                                  \
         return chunk(zs, zt, rows, V, labels, coef, g, Terms{a, T, Tc, scale, cap, renyi_weight, per_row != 0},  \
-                     threads, lse, z_y, entropy, kl, s_arg, t_arg, accept, renyi);                               \
+                     threads, lse, z_y, entropy, kl, s_arg, t_arg, accept, renyi, top_k, top_ids, top_vals);     \
     }
 
 DFLASH_ENTRY(dflash_chunk_bf16, bf16, float)
