@@ -2,6 +2,8 @@
 fp32 and under bf16 autocast, against the step's own GEMM floor.
 
     .venv/bin/python benchmarks/bench_train_step.py   # writes benchmarks/results/train_step.{json,md}
+    .venv/bin/python benchmarks/bench_train_step.py --variants dflash dspark dflash2
+        # the drafter variants side by side: step time and peak memory (train_step_variants.{json,md})
 
 Same rows, same drafter, same anchors for every variant, alternating runs in one process. A step
 is target features + anchors/blocks + drafter forward + loss + backward + AdamW, on packed rows of
@@ -95,6 +97,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="repetitions per variant; the first is the warm-up")
     parser.add_argument("--quick", action="store_true", help="the first layout only")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--variants", nargs="+", help="compare these drafter variants (tiny-demo layout, fp32) instead"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp())
@@ -113,6 +118,8 @@ def main() -> None:
             for f in load_split("train", limit=60)
         )
     )
+    if args.variants:
+        return compare_variants(args, data, tmp)
     rows_out = []
     for name, overrides in LAYOUTS[:1] if args.quick else LAYOUTS:
         cfg = load_config(
@@ -215,6 +222,94 @@ def main() -> None:
                 f"({r[f'floor_gflop_{short}']:.1f}) | {r[f'efficiency_{short}']:.0%} | {ref} | {speed} |"
             )
     (RESULTS / "train_step.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def compare_variants(args, data: Path, tmp: Path) -> None:
+    """One trainer per drafter variant on the same rows (the tiny-demo layout, fp32, CE + 15% KL + CAP),
+    steps alternating between the variants; then each variant's peak memory of one step from the CPU
+    allocator's own events (``planner_measure.allocator_peak``, after the warm-up so that AdamW's states
+    exist), plus the bytes of the tensors alive before the step."""
+    from planner_measure import allocator_peak, live_tensor_bytes
+
+    trainers, cfgs = {}, {}
+    for variant in args.variants:
+        cfg = load_config(
+            ["tiny-demo"],
+            [
+                f"data.train_files=[{data}]",
+                f"output_dir={tmp / variant}",
+                f"drafter.variant={variant}",
+                "loss.kl_weight=0.15",
+                "loss.cap_weight=0.1",
+            ],
+        )
+        target, tok, rows, eval_rows, _ = prepare(cfg)
+        torch.manual_seed(0)
+        trainers[variant] = (Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp / variant, target_path="tiny", progress=False), rows)
+        cfgs[variant] = cfg
+
+    def step(variant: str, rep: int):
+        trainer, rows = trainers[variant]
+        c = cfgs[variant]
+        trainer.optimizer.zero_grad(set_to_none=True)
+        batch = drafter_step(trainer.drafter, produce_row_features(trainer.target, rows[rep % len(rows)], rep, c), c, train=True)
+        loss, _ = draft_loss(trainer.drafter, batch, c)
+        loss.backward()
+        trainer.optimizer.step()
+
+    times = {v: [] for v in args.variants}
+    for rep in range(args.reps):
+        for variant in args.variants:
+            t0 = time.perf_counter()
+            step(variant, rep)
+            if rep:
+                times[variant].append(time.perf_counter() - t0)
+    out = []
+    for variant in args.variants:
+        start = live_tensor_bytes()
+        _, peak, _ = allocator_peak(lambda: step(variant, args.reps))
+        trainer = trainers[variant][0]
+        out.append(
+            {
+                "variant": variant,
+                "step_s": statistics.median(times[variant]),
+                "peak_bytes": start + peak,
+                "step_bytes": peak,
+                "params": sum(p.numel() for p in trainer.drafter.parameters()),
+            }
+        )
+        print(out[-1], flush=True)
+    meta = {
+        "cpus": os.cpu_count(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_1min_at_end": os.getloadavg()[0],
+        "reps": args.reps,
+        "command": f"python benchmarks/bench_train_step.py --variants {' '.join(args.variants)}"
+        + (f" --reps {args.reps}" if args.reps != 7 else ""),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "train_step_variants.json").write_text(json.dumps({"meta": meta, "rows": out}, indent=2) + "\n")
+    base = out[0]
+    lines = [
+        f"# Training step per drafter variant, tiny target ({meta['date']}, {meta['cpus']} CPUs, {meta['threads']} threads)",
+        "",
+        f"`{meta['command']}`; tiny-demo layout (512 tokens, 32 anchors x block 8), fp32, CE + 15% KL + CAP 0.1, each "
+        f"variant's defaults; median of {meta['reps'] - 1} steps after a warm-up, variants alternating; peak = tensors alive "
+        "before the step + the CPU allocator's peak during it (target, drafter, loss, backward, AdamW); load average "
+        f"(1 min) at the end {meta['load_average_1min_at_end']:.1f}.",
+        "",
+        f"| variant | drafter params | step s | vs {base['variant']} | peak MB | step's own MB | vs {base['variant']} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in out:
+        lines.append(
+            f"| {r['variant']} | {r['params']:,} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f}x | "
+            f"{r['peak_bytes'] / 1e6:.1f} | {r['step_bytes'] / 1e6:.1f} | {r['step_bytes'] / base['step_bytes']:.2f}x |"
+        )
+    (RESULTS / "train_step_variants.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,4 +1,4 @@
-"""DFlash vs DSpark on the embedded tiny target, at the demo's data and budget.
+"""DFlash vs DSpark vs DFlash2 on the embedded tiny target, at the demo's data and budget.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_variants.py [--seeds 0 1] [--out DIR] [--variants dspark]
     # writes benchmarks/results/variants.{json,md}; with --variants, the other variants' runs are
@@ -9,7 +9,8 @@ once; then every (variant, seed) trains the tiny-demo preset (same steps, data a
 ``drafter.variant`` and ``train.seed`` change) and is scored on the same held-out rows:
 teacher-forced chain tau, decode-path tau, DDTree tau at budgets 16 and 64, per-slot acceptance,
 chain tau at T = 1 (expected, exact), and for DSpark the confidence head's calibration per slot
-(mean predicted vs mean measured acceptance a = sum_v min(p_v, q_v) over the held-out rows' slots).
+(mean predicted vs mean measured acceptance a = sum_v min(p_v, q_v) over the held-out rows' slots),
+and for DFlash2 the candidate recall per slot (the target's greedy token among the selector's K).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dflash_trainer.training.step import draft_loss, drafter_step, produce_row_f
 from dflash_trainer.training.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ["dflash", "dspark"]
+VARIANTS = ["dflash", "dspark", "dflash2"]
 
 
 def calibration(trainer, cfg, rows) -> dict | None:
@@ -89,12 +90,13 @@ def write_results(args, root: Path, results: list, t0: float) -> None:
     }
     (RESULTS / "variants.json").write_text(json.dumps(info, indent=1) + "\n")
     lines = [
-        "# DFlash vs DSpark on the tiny target (demo data and budget)",
+        "# DFlash vs DSpark vs DFlash2 on the tiny target (demo data and budget)",
         "",
         f"`{info['command']}` ({info['date']}, {info['torch_threads']} torch threads, {info['total_seconds']} s).",
         f"Same regenerated data ({info['records']['train']} training / {info['records']['eval']} held-out records), "
         f"{args.max_steps} steps of the tiny-demo preset (block 8); held-out rows as the demo scores them.",
         "DSpark: markov_rank 256, vanilla head, sample_from_anchor (B = 8 drafts a block, DFlash: 7), confidence head.",
+        "DFlash2: convolutions of 2 taps, groups of 16 channels; selector rank 256, top 16 (7 drafts a block).",
         ""
         if args.prompts_per_file == 4
         else f"Fewer prompts than the demo ({args.prompts_per_file} per held-out file instead of 4): the machine was "
@@ -126,6 +128,12 @@ def write_results(args, root: Path, results: list, t0: float) -> None:
             if c:
                 pairs = " ".join(f"{p:.2f}/{m:.2f}" for p, m in zip(c["predicted"], c["measured"]))
                 lines.append(f"- seed {r['seed']}, {what}: {pairs}")
+    recalls = [r for r in results if r.get("candidate_recall")]
+    if recalls:
+        lines += ["", "Candidate recall (DFlash2, per slot: the target's greedy token among the unary top K, held out):", ""]
+        for r in recalls:
+            c = r["candidate_recall"]
+            lines.append(f"- seed {r['seed']}: " + " ".join(f"{x:.2f}" for x in c["per_slot"]) + f" (mean {c['mean']:.3f})")
     (RESULTS / "variants.md").write_text("\n".join(lines) + "\n")
 
 
@@ -183,6 +191,7 @@ def main() -> None:
                     "tau_t1_expected": t1_tau["expected"],
                     "calibration": calibration(trainer, cfg, rows),
                     "eval_confidence": rep.get("confidence"),
+                    "candidate_recall": rep.get("candidate_recall"),
                 }
             )
             print(json.dumps(results[-1]), flush=True)

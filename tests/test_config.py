@@ -132,12 +132,13 @@ def test_resolved_config_round_trips(tmp_path):
     assert dump_config(load_config([str(path)])) == path.read_text()
 
 
-def test_the_dspark_demo_preset_is_the_tiny_demo_with_dspark():
-    """`--config tiny-demo-dspark` is `tiny-demo` with `drafter.variant=dspark` (and its own name and
-    output folder), so the two demos compare the variants and nothing else."""
-    dspark = load_config(["tiny-demo-dspark"]).model_dump()
+@pytest.mark.parametrize("variant", ["dspark", "dflash2"])
+def test_the_variant_demo_presets_are_the_tiny_demo_with_the_variant(variant):
+    """`--config tiny-demo-VARIANT` is `tiny-demo` with `drafter.variant=VARIANT` (and its own name and
+    output folder), so the demos compare the variants and nothing else."""
+    preset = load_config([f"tiny-demo-{variant}"]).model_dump()
     plain = load_config(
-        ["tiny-demo"], ["drafter.variant=dspark", "name=tiny-demo-dspark", "output_dir=runs/tiny-demo-dspark"]
+        ["tiny-demo"], [f"drafter.variant={variant}", f"name=tiny-demo-{variant}", f"output_dir=runs/tiny-demo-{variant}"]
     ).model_dump()
-    assert dspark == plain
-    assert dspark["drafter"]["variant"] == "dspark"
+    assert preset == plain
+    assert preset["drafter"]["variant"] == variant

@@ -83,7 +83,7 @@ def test_eval_tau_is_the_decode_walk_and_reports_candidate_recall(trained):
     # a drafted token is always one of the slot's candidates: acceptance never exceeds recall
     for acc, rec in zip(report["slot_acceptance"], report["candidate_recall"]["per_slot"]):
         assert acc <= rec + 1e-12
-    assert report["ddtree_tau"][1] >= report["ddtree_tau"][0] >= report["tau"] - 1e-9
+    assert report["ddtree_tau"][1] >= report["ddtree_tau"][0] > 1.0  # a larger budget's tree holds the smaller
     assert 1.0 < report["decode_tau"] <= b
 
 

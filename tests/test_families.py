@@ -340,3 +340,31 @@ def test_dspark_speculative_equals_greedy(models, family):
         assert result.tokens == greedy, mode
         # rounds of several accepted drafts and partial rounds (a full round of 6 is a 12% event per round)
         assert max(result.accepted) >= BLOCK - 2 and min(result.accepted) < BLOCK, mode
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dflash2_speculative_equals_greedy(models, family):
+    """DFlash2 on every family, chain and DDTree: a real DFlash2 drafter (convolutions away from the
+    identity, the selector walk and its DDTree of K candidates a slot over this family's features)
+    gives plain greedy."""
+    from dflash_trainer.config.schema import DrafterConfig
+    from dflash_trainer.model.drafter import DrafterSpec
+    from dflash_trainer.variants import make_drafter
+
+    model, greedy = models(family)
+    if family in HYBRID:
+        greedy = greedy[:HYBRID_TOKENS]
+    target = TargetModel(model, layer_ids=[1, 2])
+    cfg = DrafterConfig(
+        num_layers=1, block_size=BLOCK, variant="dflash2", dflash2={"selector_rank": 8, "selector_top_k": 4}
+    )
+    spec = DrafterSpec.from_target(model.config, cfg, num_features=2, mask_token_id=1)
+    torch.manual_seed(0)
+    drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight).eval()
+    for conv in (drafter.layers[0].attention_conv, drafter.layers[0].mlp_conv):
+        conv.kernel_projection.weight.data.normal_(0, 0.1)
+    drafter.candidate_selector.predecessor_codebook.data.normal_(0, 1.0)  # a selector that moves the drafts
+    decoder = SpeculativeDecoder(target, drafter, [0])
+    for mode, budget in (("chain", 1), ("ddtree", 10)):
+        out = decoder.generate(PROMPT, len(greedy), mode, budget=budget)
+        assert out.tokens == greedy and max(out.drafted) == BLOCK - 1, mode
