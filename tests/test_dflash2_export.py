@@ -284,3 +284,18 @@ def test_a_speculators_dflash2_config_without_the_causal_flag_reads_its_default(
     assert read_drafter_folder(folder).spec.causal_in_block_sliding is False
     dflash = _copy(folder, tmp_path / "f", edit_config=lambda c: c.update(speculators_model_type="dflash"))
     assert read_drafter_folder(dflash).spec.causal_in_block_sliding is True
+
+
+def test_the_check_compares_walk_scores_over_their_candidates():
+    """-inf outside the candidates is no difference; other candidates and NaN are."""
+    from dflash_trainer.export.formats import compare_draft_logits
+
+    inf = float("-inf")
+    want = torch.tensor([[1.0, inf, 2.0], [inf, 0.5, inf]])
+    assert compare_draft_logits(want + torch.tensor([[1e-4, 0.0, 0.0], [0.0, 0.0, 0.0]]), want) == (
+        pytest.approx(1e-4, rel=1e-3),
+        0,
+    )
+    moved = torch.tensor([[1.0, 3.0, inf], [inf, 0.5, inf]])  # slot 0 scores another candidate
+    assert compare_draft_logits(moved, want) == (0.0, 1)
+    assert compare_draft_logits(torch.full_like(want, float("nan")), want)[0] == float("inf")
