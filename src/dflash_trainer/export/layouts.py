@@ -10,21 +10,23 @@ Two layouts exist in the field, each written by more than one tool:
   16), ``mask_token_id``, ``input_embedding_scale``, ``output_multiplier`` and
   ``final_logit_softcapping`` from ``dflash_config`` first, then from the top level; older code
   defaulted the layer ids from ``num_target_layers``. Ids are z-lab ids (transformers'
-  ``hidden_states[l + 1]``).
+  ``hidden_states[l + 1]``). A folder naming ``DFlash2DraftModel`` (or holding its ``dflash_config``
+  fields ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``) is a DFlash2
+  drafter (``Variant.zlab_architecture``, ``zlab_fields``); its codebooks may be stored with or without
+  ``.weight`` (z-lab's save_pretrained, or speculators' names: ``Variant.key_aliases``).
 - **speculators** (``speculators_model_type: "dflash"``, or a drafter variant's type such as
   ``"dspark"``, the layers' config in ``transformer_layer_config``): speculators' ``save_pretrained``
   (no embedding or head inside: its loader takes both from the verifier) and this project's
   ``export --format speculators``; a variant reads its own fields (``Variant.read_speculators_config``). Ids are
   ``aux_hidden_state_layer_ids`` = z-lab ids + 1; ``block_size`` defaults to 8 and
-  ``sliding_window_non_causal`` to false, as in speculators' config class.
+  ``sliding_window_non_causal`` to its config class's default (false; true for ``dflash2``).
 
 The layers' config is parsed with transformers' own config class for its ``model_type``, as both
 writers' model code does, so defaults, legacy keys and RoPE parameters in either place mean what they
 mean there. What this project's drafter cannot compute is refused with one line naming the field:
 other RoPE types, attention or MLP biases, other activations, a reduced draft vocabulary, sampling from
 the anchor in a DFlash drafter, z-lab's own sliding-window and causal rules (a folder this project did
-not write), z-lab's DFlash2 (conv + candidate selector), extra tensors, and hooks this project cannot
-place.
+not write), extra tensors, and hooks this project cannot place.
 """
 
 from __future__ import annotations
@@ -117,16 +119,28 @@ def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def _zlab_variant(archs: list[str], value):
+    """The variant a z-lab folder holds: the one whose z-lab class it names or whose ``dflash_config``
+    fields it has (DFlash2: ``DFlash2DraftModel``, ``conv_kernel_size`` ...), else DFlash."""
+    for variant in VARIANTS.values():
+        if variant.zlab_fields and (
+            variant.zlab_architecture in archs or any(value(name) is not None for name in variant.zlab_fields)
+        ):
+            return variant
+    return VARIANTS["dflash"]
+
+
 def _zlab(cfg: dict, where: str, ours: bool):
-    """``(layer config, layer ids, block size, mask id, causal_in_block, n_target, transforms, scale)``."""
+    """``(layer config, layer ids, block size, mask id, causal_in_block, n_target, transforms, variant,
+    variant options)``."""
     dcfg = cfg.get("dflash_config") or {}
     archs = cfg.get("architectures") or []
 
     def value(name, default=None):  # z-lab's _draft_value: dflash_config first, then the top level
         return dcfg.get(name, cfg.get(name, default))
 
-    if "DFlash2DraftModel" in archs or value("conv_kernel_size") is not None or value("selector_rank") is not None:
-        raise UserError(f"{where}: a z-lab DFlash2 drafter (convolutions + candidate selector), not a DFlash drafter")
+    variant = _zlab_variant(archs, value)
+    options = variant.read_zlab_config({name: value(name) for name in variant.zlab_fields}, where)
     # SpecForge's DFlashDraftModel (the same layout) has options that change what the drafter computes
     for key, neutral in (("projector_type", None), ("pure_draft_prefix_len", 0), ("shift_label", False)):
         if dcfg.get(key, neutral) not in (neutral, None):
@@ -159,7 +173,8 @@ def _zlab(cfg: dict, where: str, ours: bool):
     if scale != 1.0:  # z-lab multiplies the raw table's rows; this project's drafter looks them up as they are
         raise UserError(f"{where}: input_embedding_scale {scale:g}; this project's drafter embeds blocks unscaled")
     causal = bool(dcfg.get("causal_in_block_sliding", False))
-    return layer, list(layer_ids), int(value("block_size", 16)), mask_id, causal, n_target, transforms, scale
+    block = int(value("block_size", 16))
+    return layer, list(layer_ids), block, mask_id, causal, n_target, transforms, variant.name, options
 
 
 def _speculators(cfg: dict, where: str):
@@ -186,7 +201,7 @@ def _speculators(cfg: dict, where: str):
             f"{where}: a reduced draft vocabulary ({draft_vocab} of {layer.vocab_size} tokens, t2d/d2t); "
             "this project's drafter drafts over the target's whole vocabulary"
         )
-    non_causal = bool(cfg.get("sliding_window_non_causal", False))
+    non_causal = bool(cfg.get("sliding_window_non_causal", variant.speculators_non_causal_default))
     block, causal = int(cfg.get("block_size", 8)), not non_causal
     return layer, [i - 1 for i in aux], block, cfg["mask_token_id"], causal, variant.name, options
 
@@ -214,7 +229,7 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
         verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     elif "DFlashDraftModel" in (cfg.get("architectures") or []) or "dflash_config" in cfg:
         fmt = "zlab"
-        layer, layer_ids, block, mask_id, causal, n_target, transforms, scale = _zlab(cfg, where, ours)
+        layer, layer_ids, block, mask_id, causal, n_target, transforms, variant, options = _zlab(cfg, where, ours)
         verifier = (cfg.get("dflash_config") or {}).get("target_model_path")
     else:
         raise UserError(
@@ -267,7 +282,8 @@ def folder_weights(folder: Path) -> dict[str, torch.Tensor]:
 def drafter_state(folder: Path, spec: DrafterSpec) -> dict[str, torch.Tensor]:
     """The drafter's own tensors of a folder (the backbone's and its variant's heads'); other tensors
     it cannot represent are refused."""
-    state = folder_weights(folder)
+    aliases = variant_of(spec).key_aliases
+    state = {aliases.get(k, k): v for k, v in folder_weights(folder).items()}
     own = DRAFTER_KEYS + tuple(f"{name}." for name in variant_of(spec).head_names)
     extra = sorted(k for k in state if not k.startswith(own) and k not in IGNORED_KEYS)
     if extra:

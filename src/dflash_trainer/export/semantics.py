@@ -33,6 +33,13 @@ the config, and ``sliding_window_non_causal`` (speculators) as ``dflash_config.c
 draft layer, so the export writes non-causal where the drafter has no sliding layer. Its V1 runner
 refuses drafters that mix sliding and full layers.
 
+DFlash2 (``drafter.variant dflash2``) exports in both layouts: z-lab's ``DFlash2DraftModel`` (PyPI
+``dflash`` 0.1.0) reads the zlab folder (no ``auto_map``: the shipped ``modeling_dflash.py`` computes
+DFlash only), speculators' ``DFlash2DraftModel`` the speculators one (``speculators_model_type
+dflash2``). vLLM 0.32.0 maps speculators' ``dflash2`` to method ``dflash`` with architecture
+``DFlash2DraftModel`` (``qwen3_dflash2.py``), whose selector only its V2 model runner runs; its V1
+runner (the CPU build's, without Triton) refuses "DFlash candidate-head drafts".
+
 ``mismatches`` names what a format's reference code would compute differently; export refuses those
 unless ``--allow-mismatch`` and training warns about them for the formats in ``export.formats``.
 """

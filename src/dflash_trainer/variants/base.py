@@ -21,6 +21,14 @@ class Variant:
     speculators_type = "dflash"  # the ``speculators_model_type`` of its speculators export
     head_names: tuple[str, ...] = ()  # attribute names ``heads`` may add (their tensors' name prefixes)
     logged_metrics: tuple[str, ...] = ()  # scalar metrics of ``loss`` the trainer logs each step (metrics.jsonl)
+    # speculators' config default of ``sliding_window_non_causal`` for this ``speculators_type``
+    speculators_non_causal_default = False
+    # z-lab's layout: the class of z-lab's package that loads it (None: the layout cannot hold the
+    # variant), and the ``dflash_config`` fields that mark a folder as this variant's
+    zlab_architecture: str | None = "DFlashDraftModel"
+    zlab_fields: tuple[str, ...] = ()
+    # tensor names other writers use for this variant's tensors -> this project's names
+    key_aliases: dict[str, str] = {}
 
     def read_speculators_config(self, cfg: dict, where: str) -> dict:
         """The variant options (``DrafterSpec.variant_options``) of a speculators ``config.json`` of this
@@ -29,6 +37,11 @@ class Variant:
             raise UserError(
                 f"{where}: sample_from_anchor is true (slot 0 drafts too); a DFlash drafter drafts slots 1..B-1"
             )
+        return {}
+
+    def read_zlab_config(self, fields: dict, where: str) -> dict:
+        """The variant options of a z-lab folder, from its ``zlab_fields`` (``fields``: each read as
+        z-lab's code reads it, ``dflash_config`` first, then the top level; None where absent)."""
         return {}
 
     def label_shift(self, spec: DrafterSpec) -> int:
@@ -74,6 +87,11 @@ class Variant:
 
     def speculators_config(self, config: dict, spec: DrafterSpec) -> dict:
         """The speculators ``config.json`` of a DFlash export, adapted to the variant."""
+        return config
+
+    def zlab_config(self, config: dict, spec: DrafterSpec) -> dict:
+        """The z-lab ``config.json`` of a DFlash export, adapted to the variant (the export ships
+        ``modeling_dflash.py`` only where the config keeps its ``auto_map``)."""
         return config
 
     def batch_extras(self, spec: DrafterSpec, input_ids: torch.Tensor, anchors: torch.Tensor) -> dict:

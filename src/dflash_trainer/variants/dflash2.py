@@ -44,6 +44,7 @@ from .base import Variant
 
 # speculators' DFlash2 config fields, by our names (the same names, z-lab's ``dflash_config`` too)
 CONFIG_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
 
 def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block: int) -> torch.Tensor:
@@ -175,8 +176,14 @@ def selector_training_candidates(topk_ids: torch.Tensor, labels: torch.Tensor):
 class DFlash2Variant(Variant):
     name = "dflash2"
     speculators_type = "dflash2"
+    speculators_non_causal_default = True  # DFlash2SpeculatorConfig's default (DFlash's is false)
     head_names = ("candidate_selector",)
     logged_metrics = ("selector_ce", "candidate_recall", "selector_accuracy")
+    zlab_architecture = "DFlash2DraftModel"
+    zlab_fields = CONFIG_FIELDS
+    # z-lab's own save_pretrained writes its codebooks as nn.Embedding weights; speculators' (and this
+    # project's export) as plain parameters, which z-lab's from_pretrained maps onto its embeddings
+    key_aliases = {f"candidate_selector.{n}.weight": f"candidate_selector.{n}" for n in CODEBOOKS}
 
     def read_speculators_config(self, cfg: dict, where: str) -> dict:
         """The settings of a speculators ``dflash2`` config (or z-lab's ``dflash_config``); a missing field
@@ -189,6 +196,16 @@ class DFlash2Variant(Variant):
         except ValidationError as exc:
             err = exc.errors()[0]
             raise UserError(f"{where}: {err['loc'][0]} {err.get('input')!r}: {err['msg']}") from None
+
+    def read_zlab_config(self, fields: dict, where: str) -> dict:
+        """z-lab's ``DFlash2DraftModel`` reads all four fields with no default: each must be there."""
+        missing = [name for name in CONFIG_FIELDS if fields.get(name) is None]
+        if missing:
+            raise UserError(
+                f"{where}: a z-lab DFlash2DraftModel folder without dflash_config.{missing[0]} "
+                "(z-lab's code requires conv_kernel_size, conv_group_size, selector_rank and selector_top_k)"
+            )
+        return self.read_speculators_config(fields, where)
 
     def _check(self, spec: DrafterSpec) -> dict:
         o = _options(spec)
@@ -238,6 +255,15 @@ class DFlash2Variant(Variant):
 
     def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
         return None  # z-lab's layout (DFlash2DraftModel) and speculators' dflash2 both hold it
+
+    def zlab_config(self, config: dict, spec: DrafterSpec) -> dict:
+        """z-lab's ``DFlash2DraftModel`` layout: its class, and the four fields in ``dflash_config``. No
+        ``auto_map``: the shipped ``modeling_dflash.py`` computes DFlash only (load it with z-lab's
+        package, ``dflash.DFlash2DraftModel.from_pretrained``)."""
+        o = _options(spec)
+        rest = {k: v for k, v in config.items() if k != "auto_map"}
+        dflash = {**config["dflash_config"], **{name: o[name] for name in CONFIG_FIELDS}}
+        return {**rest, "architectures": ["DFlash2DraftModel"], "dflash_config": dflash}
 
     def speculators_config(self, config: dict, spec: DrafterSpec) -> dict:
         """speculators' ``DFlash2SpeculatorConfig``: the DFlash fields plus the convolution and selector sizes."""

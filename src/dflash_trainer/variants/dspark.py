@@ -90,6 +90,7 @@ def _options(spec: DrafterSpec) -> dict:
 class DSparkVariant(Variant):
     name = "dspark"
     speculators_type = "dspark"
+    zlab_architecture = None  # z-lab's layout has no Markov or confidence head
     head_names = ("markov_head", "confidence_head")
 
     def read_speculators_config(self, cfg: dict, where: str) -> dict:
