@@ -175,7 +175,16 @@ def test_topk_never_allocates_positions_by_vocab(compiled):
     labels = torch.randint(0, v, (n,), generator=g)
     with OpRecorder() as rec:
         loss, m = fused_draft_loss(
-            hs, ht, w_head, labels, torch.ones(n), kl_weight=0.15, cap_weight=0.1, chunk_size=c, compile=compiled, top_k=K
+            hs,
+            ht,
+            w_head,
+            labels,
+            torch.ones(n),
+            kl_weight=0.15,
+            cap_weight=0.1,
+            chunk_size=c,
+            compile=compiled,
+            top_k=K,
         )
         loss.backward()
     assert rec.count("mm") >= 3 * (n // c)
@@ -189,7 +198,9 @@ def test_op_fake_and_opcheck_with_top_k():
     n, h, v = 13, 8, 40
     with torch.device("meta"):
         hs = torch.empty(n, h, requires_grad=True)
-        loss, m = fused_draft_loss(hs, None, torch.empty(v, h), torch.zeros(n, dtype=torch.long), torch.ones(n), top_k=7)
+        loss, m = fused_draft_loss(
+            hs, None, torch.empty(v, h), torch.zeros(n, dtype=torch.long), torch.ones(n), top_k=7
+        )
     assert m["topk_ids"].shape == (n, 7) and m["topk_ids"].dtype == torch.int64
     assert m["topk_logits"].shape == (n, 7) and m["topk_logits"].dtype == torch.float32
     from test_loss_ops import op_args
