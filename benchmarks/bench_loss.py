@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_loss.py            # writes benchmarks/results/loss.{json,md}
     .venv/bin/python benchmarks/bench_loss.py --quick    # first shape only
+    .venv/bin/python benchmarks/bench_loss.py --topk     # top_k=16 vs 0 only: results/loss_topk.{json,md}
 
 Every (variant, shape) runs in its own subprocess. Time is forward+backward, the median of the
 timed repetitions after one warm-up. Peak extra memory comes from one more pass in which glibc
@@ -20,6 +21,12 @@ head GEMM, the per-row acceptance the confidence head trains on, so the teacher'
 the same loss without the Markov head (CE + acceptance) and DFlash's (CE alone), at the tiny demo's
 shape (N = 32 anchors x 8 = 256 rows, H = 256, V = 8,192) and at V = 151,936 (N = 4,096); each with
 ``compile="auto"`` (the native kernel) in its own process, as above.
+
+DFlash2's candidates (``--topk``): the cost of ``top_k=16`` (each row's 16 best logits and ids, out of
+the loss pass) in the native kernel at V = 151,936, fp32 and bf16, in ONE process, interleaved with
+``top_k=0`` (order alternating each repetition): the kernel alone on one chunk of 128 raw-logit rows
+(CE + 15% KL, with its gradient pass), the whole loss forward+backward (N = 512, 4 chunks), and for
+comparison ``torch.topk`` over the same raw chunk (what the Triton and inductor paths add per chunk).
 
 GEMM-floor efficiency (``--efficiency``, fp32 and bf16, first shape): in ONE process, the GEMM
 floor and each implementation run interleaved, repeated, the order rotating each repetition. The
@@ -329,6 +336,141 @@ def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, re
     return rows
 
 
+TOPK = 16  # DFlash2's candidates per row (its default K)
+TOPK_SHAPE = (512, 256, 151_936)  # N, H, V of the loss rows; the kernel rows are one chunk of CHUNK
+TOPK_CALLS = 10  # kernel calls on the chunk per timed repetition (times are reported per call)
+
+
+def topk_rows(dtype: torch.dtype, reps: int) -> list[dict]:
+    """``top_k`` 0 vs TOPK, interleaved in this process: the native kernel on one chunk, the loss, torch.topk."""
+    from dflash_trainer.loss import fused_draft_loss, native
+
+    n, h, v = TOPK_SHAPE
+    hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(n, h, v))
+    hs = hs.detach().requires_grad_()
+    zs, zt = hs.detach()[:CHUNK] @ w_head.T, ht[:CHUNK] @ w_head.T  # [c, V] raw logits, head dtype
+    y, coef, g_out = labels[:CHUNK], torch.full((CHUNK,), 1.0 / n), torch.empty_like(zs)
+
+    def kernel(k):
+        def calls():  # TOPK_CALLS calls per timing: the clock's CPU time moves in scheduler ticks (4 ms here)
+            for _ in range(TOPK_CALLS):
+                native.chunk_epilogue(zs, zt, y, coef, g_out, 0.15, 1.0, 1.0, 1.0, None, top_k=k)
+
+        return calls
+
+    def kernel_then_topk():
+        for _ in range(TOPK_CALLS):
+            native.chunk_epilogue(zs, zt, y, coef, g_out, 0.15, 1.0, 1.0, 1.0, None)
+            torch.topk(zs, TOPK)
+
+    def loss(k):
+        def step():
+            hs.grad = None
+            out, _ = fused_draft_loss(
+                hs, ht, w_head, labels, weights, chunk_size=CHUNK, compile="native", top_k=k, **TERMS
+            )
+            out.backward()
+
+        return step
+
+    pairs = {
+        f"native kernel, one chunk [{CHUNK}, V]": (kernel(0), kernel(TOPK)),
+        f"loss fwd+bwd, N={n} (native)": (loss(0), loss(TOPK)),
+        # what a Triton or inductor chunk adds: its kernel, then torch.topk over the raw chunk
+        f"kernel then torch.topk on the chunk [{CHUNK}, V]": (kernel(0), kernel_then_topk),
+    }
+    rows = []
+    for name, (base, with_k) in pairs.items():
+        base(), with_k()  # warm-up (the kernel builds on the first call)
+        times, cpu = {"base": [], "topk": []}, {"base": [], "topk": []}
+        for rep in range(reps):
+            for key in ("base", "topk") if rep % 2 == 0 else ("topk", "base"):
+                t0, c0 = time.perf_counter(), time.process_time()
+                (base if key == "base" else with_k)()
+                times[key].append(time.perf_counter() - t0)
+                cpu[key].append(time.process_time() - c0)
+        per = TOPK_CALLS if name.startswith(("native kernel", "kernel then")) else 1
+        times = {key: [x / per for x in xs] for key, xs in times.items()}
+        cpu = {key: [x / per for x in xs] for key, xs in cpu.items()}
+        ratios = [t / b for b, t in zip(times["base"], times["topk"])]
+        cpu_ratios = [t / b for b, t in zip(cpu["base"], cpu["topk"])]
+        row = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "case": name,
+            "top_k": TOPK,
+            "base_s": statistics.median(times["base"]),
+            "topk_s": statistics.median(times["topk"]),
+            "ratio": statistics.median(ratios),
+            "ratio_min_max": [min(ratios), max(ratios)],
+            "ratio_of_fastest": min(times["topk"]) / min(times["base"]),  # the least loaded repetitions
+            # CPU time of the process (all threads): what the work costs, less exposed to other users' load
+            "cpu_base_s": statistics.median(cpu["base"]),
+            "cpu_topk_s": statistics.median(cpu["topk"]),
+            "cpu_ratio": statistics.median(cpu_ratios),
+            "reps": reps,
+        }
+        rows.append(row)
+        print("   ", row, flush=True)
+    return rows
+
+
+def run_topk(reps: int) -> None:
+    torch.set_num_threads(2)
+    load_before = os.getloadavg()[0]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"topk {dtype} ...", flush=True)
+        rows += topk_rows(dtype, reps)
+    n, h, v = TOPK_SHAPE
+    meta = {
+        "cpus": os.cpu_count(),
+        "threads": 2,
+        "torch": torch.__version__,
+        "chunk": CHUNK,
+        "terms": TERMS,
+        "N": n,
+        "H": h,
+        "V": v,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "command": f"python benchmarks/bench_loss.py --topk --reps {reps}",
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "loss_topk.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (RESULTS / "loss_topk.md").write_text(topk_markdown(rows, meta))
+    print(topk_markdown(rows, meta))
+
+
+def topk_markdown(rows: list[dict], meta: dict) -> str:
+    lo, hi = meta["load_average_1min"]
+    lines = [
+        f"# DFlash2's top-{TOPK} candidates in the fused loss ({meta['date']}, {meta['cpus']} CPUs, torch {meta['torch']})",
+        "",
+        f"`{meta['command']}`; V={meta['V']}, H={meta['H']}, chunk {meta['chunk']} rows, CE + 15% KL (T=1), "
+        f"{meta['threads']} threads; top_k={TOPK} against top_k=0 interleaved in one process, the median of the "
+        f"per-repetition ratios, the ratio of the fastest repetitions (the least disturbed), and the same on the process's CPU time (all threads; less exposed to other users of the machine than wall time). Load average (1 min) before / after: {lo:.1f} / {hi:.1f} on {meta['cpus']} CPUs "
+        "(a shared machine).",
+        "",
+        f"Kernel rows: times per call, timed {TOPK_CALLS} calls at a time.",
+        "",
+        "| dtype | case | top_k=0 s | with top_k s | ratio (median) | min-max | fastest / fastest | CPU s: top_k=0 / with | CPU ratio (median) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        a, b = r["ratio_min_max"]
+        lines.append(
+            f"| {r['dtype']} | {r['case']} | {r['base_s']:.4f} | {r['topk_s']:.4f} | {r['ratio']:.3f} | {a:.3f}-{b:.3f} "
+            f"| {r['ratio_of_fastest']:.3f} | {r['cpu_base_s']:.4f} / {r['cpu_topk_s']:.4f} | {r['cpu_ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        "The last row of each dtype is the native kernel without its selection followed by torch.topk over the "
+        "raw chunk, what the Triton and inductor paths do (measured here on the CPU, as a scale: on a GPU both "
+        "costs differ).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def run_efficiency(threads_list: list[int], reps: int, variants: list[str]) -> None:
     n, h, v = SHAPES[0]
     rows = []
@@ -397,8 +539,9 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only re-render results/loss.md from results/loss.json")
     parser.add_argument("--efficiency", action="store_true", help="only the GEMM-floor efficiency (fp32 and bf16)")
     parser.add_argument("--markov", action="store_true", help="only the Markov-head cases (results/loss_markov.*)")
+    parser.add_argument("--topk", action="store_true", help="only top_k=16 vs 0 (results/loss_topk.*)")
     parser.add_argument("--threads", type=int, nargs="+", default=[2], help="thread counts for --efficiency")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions for --efficiency")
+    parser.add_argument("--reps", type=int, help="interleaved repetitions (--efficiency: 5, --topk: 11)")
     parser.add_argument(
         "--variants",
         nargs="+",
@@ -407,7 +550,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.efficiency:
-        run_efficiency(args.threads, args.reps, args.variants)
+        run_efficiency(args.threads, args.reps or 5, args.variants)
+        return
+    if args.topk:
+        run_topk(args.reps or 11)
         return
     if args.render:
         render(RESULTS / "loss.json")

@@ -5,6 +5,7 @@ plain gather-and-contract reference."""
 
 import importlib.util
 import os
+import warnings
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ CASES = {
     "softcap_scale": dict(kl_weight=0.2, cap_weight=0.3, softcap=2.5, logit_scale=0.8),
     "dspark_bias": dict(bias=True, renyi_weight=0.4, kl_weight=0.2, acceptance=True),
     "teacher_labels": dict(label_source="teacher", kl_weight=0.5, cap_weight=0.1),
+    "negative_scale": dict(logit_scale=-0.7, kl_weight=0.2),  # a decreasing transform: the smallest raw logits
 }
 
 
@@ -106,20 +108,23 @@ def test_no_rows_with_weight():
     assert (m["topk_logits"] == -torch.inf).all()
 
 
-def raw_rows(v=5000, rows=6, seed=0):
-    """Raw logits [rows, v] spread over several kernel blocks of 1,024: ties at the top across blocks,
-    a row rising to its last block, a row whose K best lie one per block, a row of equal values."""
+def raw_rows(v=40_000, rows=7, seed=0):
+    """Raw logits [rows, v] over 40 kernel blocks of 1,024 (more blocks than K, and fewer: the kernel
+    bounds the K-th logit by the K-th block maximum): ties at the top across blocks, a row rising to its
+    last block, a row whose K best lie one per block, one whose K best share a block, equal values."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(rows, v, generator=g, dtype=F64) * 3
-    z[0, [17, 1500, 4999]] = 20.0
-    z[0, [3, 2048]] = 19.0
+    z[0, [17, 1500, v - 1]] = 20.0
+    z[0, [3, 2048, 30_000]] = 19.0
     z[1] = torch.linspace(-5, 5, v, dtype=F64)
-    z[2, torch.arange(K) * 311] = 30.0 + torch.arange(K, dtype=F64)
+    z[2, torch.arange(K) * 2411] = 30.0 + torch.arange(K, dtype=F64)
     z[3] = 1.5
+    z[4, 7 * 1024 + torch.arange(K) * 3] = 25.0 - torch.arange(K, dtype=F64) % 4  # ties inside one block
+    z[5, ::1024] = 12.0  # every block's maximum equal
     return z
 
 
-@pytest.mark.parametrize("k", [1, K, 5000])
+@pytest.mark.parametrize("k", [1, K, 40_000])
 def test_native_kernel_top_k_with_ties_float64(k):
     """The kernel alone: sorted descending, ties by lower id (a stable sort), rows on two threads."""
     z = raw_rows()
@@ -170,7 +175,16 @@ def test_topk_never_allocates_positions_by_vocab(compiled):
     labels = torch.randint(0, v, (n,), generator=g)
     with OpRecorder() as rec:
         loss, m = fused_draft_loss(
-            hs, ht, w_head, labels, torch.ones(n), kl_weight=0.15, cap_weight=0.1, chunk_size=c, compile=compiled, top_k=K
+            hs,
+            ht,
+            w_head,
+            labels,
+            torch.ones(n),
+            kl_weight=0.15,
+            cap_weight=0.1,
+            chunk_size=c,
+            compile=compiled,
+            top_k=K,
         )
         loss.backward()
     assert rec.count("mm") >= 3 * (n // c)
@@ -184,7 +198,9 @@ def test_op_fake_and_opcheck_with_top_k():
     n, h, v = 13, 8, 40
     with torch.device("meta"):
         hs = torch.empty(n, h, requires_grad=True)
-        loss, m = fused_draft_loss(hs, None, torch.empty(v, h), torch.zeros(n, dtype=torch.long), torch.ones(n), top_k=7)
+        loss, m = fused_draft_loss(
+            hs, None, torch.empty(v, h), torch.zeros(n, dtype=torch.long), torch.ones(n), top_k=7
+        )
     assert m["topk_ids"].shape == (n, 7) and m["topk_ids"].dtype == torch.int64
     assert m["topk_logits"].shape == (n, 7) and m["topk_logits"].dtype == torch.float32
     from test_loss_ops import op_args
@@ -202,7 +218,7 @@ def test_topk_under_the_triton_interpreter():
     if not fused.triton_runs_on(torch.device("cpu" if not torch.cuda.is_available() else "cuda")):
         pytest.skip("the Triton kernel module was imported without TRITON_INTERPRET=1 (set it before the first import)")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for name in ("kl_cap", "softcap_scale", "dspark_bias"):
+    for name in ("kl_cap", "softcap_scale", "dspark_bias", "negative_scale"):
         case, inputs = CASES[name], make_inputs()
         _, ref_m = _call(reference_draft_loss, case, inputs, top_k=K)
         f32 = [x.detach().float().to(dev) if x.is_floating_point() else x.to(dev) for x in inputs]
@@ -211,6 +227,25 @@ def test_topk_under_the_triton_interpreter():
         loss0, _ = _call(fused_draft_loss, case, f32, chunk_size=7, compile="triton")
         assert loss.item() == loss0.item()
         _assert_matches_reference({k: v.cpu() for k, v in m.items() if k.startswith("topk")}, ref_m, inputs[4], 1e-5)
+
+
+def test_topk_after_the_inductor_kernel():
+    """inductor's chunk kernel (C++ on the CPU, float64), then torch.topk over the raw-logit buffer."""
+    case, inputs = CASES["softcap_scale"], make_inputs()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss, m = _call(fused_draft_loss, case, inputs, chunk_size=7, compile="inductor", top_k=K)
+            loss0, _ = _call(fused_draft_loss, case, inputs, chunk_size=7, compile="inductor")
+    finally:
+        # forget the graphs compiled here: dynamo generalizes from what it has seen (the terms' floats
+        # turn dynamic), and test_loss.py's failed-compile test needs its new terms to compile afresh
+        torch._dynamo.reset()
+        fused._compiled_fn = None
+    assert not [w for w in caught if "did not compile" in str(w.message)]  # the kernel ran, not the eager passes
+    _, ref_m = _call(reference_draft_loss, case, inputs, top_k=K)
+    assert loss.item() == loss0.item()
+    _assert_matches_reference(m, ref_m, inputs[4], 1e-12)
 
 
 def candidate_inputs(n=10, h=6, v=30, k=4, seed=0):

@@ -63,13 +63,19 @@ def candidate_logits(
     w.r.t. ``hidden`` ``[N, H]`` only (``head`` ``[V, H]`` is the frozen head, ``ids`` ``[N, K]`` int in
     ``[-1, V)``, -1 giving -inf). ``chunk_size`` rows per gather step (default: about 4M gathered elements)."""
     if hidden.dim() != 2 or head.dim() != 2 or head.shape[1] != hidden.shape[1]:
-        raise ValueError(f"candidate_logits: hidden [N, H] and head [V, H], got {tuple(hidden.shape)}, {tuple(head.shape)}")
+        raise ValueError(
+            f"candidate_logits: hidden [N, H] and head [V, H], got {tuple(hidden.shape)}, {tuple(head.shape)}"
+        )
     if ids.dim() != 2 or ids.shape[0] != hidden.shape[0] or ids.is_floating_point():
-        raise ValueError(f"candidate_logits: ids must be an integer [{hidden.shape[0]}, K] tensor, got {tuple(ids.shape)}")
+        raise ValueError(
+            f"candidate_logits: ids must be an integer [{hidden.shape[0]}, K] tensor, got {tuple(ids.shape)}"
+        )
     if head.requires_grad:
         raise ValueError("candidate_logits: the head is frozen (pass head.detach())")
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= head.shape[0]):
-        raise ValueError(f"candidate_logits: ids must be in [-1, {head.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"candidate_logits: ids must be in [-1, {head.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]"
+        )
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"candidate_logits: chunk_size must be >= 1, got {chunk_size}")
     chunk = chunk_size or max(1, DEFAULT_GATHER_ELEMENTS // (max(ids.shape[1], 1) * max(hidden.shape[1], 1)))

@@ -14,8 +14,8 @@
 // terms also the acceptance a = sum min(p, q) and the Renyi-1/2 term -2 log sum sqrt(p q) of the student
 // p and the teacher q at T = 1 (pass 2 stores the teacher's e^u at T = 1 and sums sqrt(e^d e^u); one
 // more pass over the two stored rows sums the acceptance; pass 3 adds the Renyi gradient); with top_k > 0
-// the K largest student logits and their ids (row_top_k: reads only the blocks of the row that hold them,
-// found from pass 1's block maxima). The compute type is
+// the K largest student logits and their ids (row_top_k: reads only the blocks of the row that can hold
+// them, found from pass 1's block maxima). The compute type is
 // float for bf16/fp32 heads (sums accumulated in blocks, then in double) and double for fp64 heads.
 // Plain C++ for the compiler's auto-vectorizer (-O3 -march=native -fopenmp-simd); no libraries.
 
@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -131,45 +132,62 @@ C row_max(Logits<S, C> z, int64_t V, int64_t* argmax, std::vector<C>& block_max)
 }
 
 // The K largest logits of a row and their ids, sorted descending, ties by the lower id (DFlash2's
-// candidates). No pass of its own over the row: the blocks are visited in descending order of the
-// block maxima that pass 1 left, and the visit stops at the first block whose maximum is below the
-// K-th best so far, so only the few blocks that hold the top K are read (at most K of them, plus ties).
-// Within a block, a logit enters a min-heap of K (its top the worst kept) only when it beats that top.
+// candidates). No full pass of its own over the row: the K-th largest of pass 1's block maxima is a
+// lower bound lb on the K-th largest logit (the K block maxima are K distinct logits), so only blocks
+// whose maximum reaches lb can hold one (about K blocks of the V / BLOCK). In those, sub-blocks of
+// SUB logits whose (vectorized) maximum is below the current threshold are skipped; a logit enters a
+// min-heap of K (its top the worst kept) only when it beats that top.
 template <typename S, typename C>
 void row_top_k(Logits<S, C> z, int64_t V, const std::vector<C>& block_max, int64_t K, int64_t* ids, C* vals) {
+    constexpr int64_t SUB = 64;
     struct Entry {
         C v;
         int64_t j;
     };
     const auto better = [](const Entry& x, const Entry& y) { return x.v > y.v || (x.v == y.v && x.j < y.j); };
     static thread_local std::vector<Entry> heap;
-    static thread_local std::vector<int64_t> order;
+    static thread_local std::vector<C> maxima;
     heap.clear();
     const int64_t blocks = int64_t(block_max.size());
-    order.resize(blocks);
-    for (int64_t b = 0; b < blocks; ++b) order[b] = b;
-    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-        return block_max[x] > block_max[y] || (block_max[x] == block_max[y] && x < y);
-    });
-    for (const int64_t b : order) {
-        const bool full = int64_t(heap.size()) == K;
-        if (full && block_max[b] < heap.front().v) break;  // this block and every later one hold nothing better
+    C lb = -std::numeric_limits<C>::infinity();
+    if (K <= blocks) {
+        maxima.assign(block_max.begin(), block_max.end());
+        std::nth_element(maxima.begin(), maxima.begin() + (K - 1), maxima.end(), std::greater<C>());
+        lb = maxima[K - 1];
+    }
+    C thr = lb;  // logits below it cannot enter: lb, then the worst kept once the heap holds K
+    for (int64_t b = 0; b < blocks; ++b) {
+        if (block_max[b] < lb) continue;
         const int64_t b1 = (b + 1) * BLOCK < V ? (b + 1) * BLOCK : V;
-        for (int64_t j = b * BLOCK; j < b1; ++j) {
-            const Entry e{z[j], j};
-            if (int64_t(heap.size()) < K) {
-                heap.push_back(e);
-                std::push_heap(heap.begin(), heap.end(), better);
-            } else if (better(e, heap.front())) {
-                std::pop_heap(heap.begin(), heap.end(), better);
-                heap.back() = e;
-                std::push_heap(heap.begin(), heap.end(), better);
+        for (int64_t s0 = b * BLOCK; s0 < b1; s0 += SUB) {
+            const int64_t s1 = s0 + SUB < b1 ? s0 + SUB : b1;
+            C ms = -std::numeric_limits<C>::infinity();
+#pragma omp simd reduction(max : ms)
+            for (int64_t j = s0; j < s1; ++j) {
+                const C v = z[j];
+                ms = v > ms ? v : ms;
+            }
+            if (ms < thr) continue;
+            for (int64_t j = s0; j < s1; ++j) {
+                const Entry e{z[j], j};
+                if (e.v < thr) continue;
+                if (int64_t(heap.size()) < K) {
+                    heap.push_back(e);
+                    std::push_heap(heap.begin(), heap.end(), better);
+                } else if (better(e, heap.front())) {
+                    std::pop_heap(heap.begin(), heap.end(), better);
+                    heap.back() = e;
+                    std::push_heap(heap.begin(), heap.end(), better);
+                } else {
+                    continue;
+                }
+                if (int64_t(heap.size()) == K) thr = heap.front().v;
             }
         }
     }
     std::sort_heap(heap.begin(), heap.end(), better);  // best first
     const int64_t kept = int64_t(heap.size());
-    for (int64_t i = 0; i < K; ++i) {  // fewer than K only in a row of NaN (never compared as kept)
+    for (int64_t i = 0; i < K; ++i) {  // fewer than K only in a row with NaN (never compared as kept)
         ids[i] = i < kept ? heap[i].j : -1;
         vals[i] = i < kept ? heap[i].v : std::numeric_limits<C>::quiet_NaN();
     }
