@@ -97,9 +97,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="repetitions per variant; the first is the warm-up")
     parser.add_argument("--quick", action="store_true", help="the first layout only")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--variants", nargs="+", help="compare these drafter variants (tiny-demo layout, fp32) instead"
-    )
+    parser.add_argument("--variants", nargs="+", help="compare these drafter variants (tiny-demo layout, fp32) instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp())
@@ -246,14 +244,19 @@ def compare_variants(args, data: Path, tmp: Path) -> None:
         )
         target, tok, rows, eval_rows, _ = prepare(cfg)
         torch.manual_seed(0)
-        trainers[variant] = (Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp / variant, target_path="tiny", progress=False), rows)
+        trainers[variant] = (
+            Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp / variant, target_path="tiny", progress=False),
+            rows,
+        )
         cfgs[variant] = cfg
 
     def step(variant: str, rep: int):
         trainer, rows = trainers[variant]
         c = cfgs[variant]
         trainer.optimizer.zero_grad(set_to_none=True)
-        batch = drafter_step(trainer.drafter, produce_row_features(trainer.target, rows[rep % len(rows)], rep, c), c, train=True)
+        batch = drafter_step(
+            trainer.drafter, produce_row_features(trainer.target, rows[rep % len(rows)], rep, c), c, train=True
+        )
         loss, _ = draft_loss(trainer.drafter, batch, c)
         loss.backward()
         trainer.optimizer.step()

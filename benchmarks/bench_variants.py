@@ -130,10 +130,16 @@ def write_results(args, root: Path, results: list, t0: float) -> None:
                 lines.append(f"- seed {r['seed']}, {what}: {pairs}")
     recalls = [r for r in results if r.get("candidate_recall")]
     if recalls:
-        lines += ["", "Candidate recall (DFlash2, per slot: the target's greedy token among the unary top K, held out):", ""]
+        lines += [
+            "",
+            "Candidate recall (DFlash2, per slot: the target's greedy token among the unary top K, held out):",
+            "",
+        ]
         for r in recalls:
             c = r["candidate_recall"]
-            lines.append(f"- seed {r['seed']}: " + " ".join(f"{x:.2f}" for x in c["per_slot"]) + f" (mean {c['mean']:.3f})")
+            lines.append(
+                f"- seed {r['seed']}: " + " ".join(f"{x:.2f}" for x in c["per_slot"]) + f" (mean {c['mean']:.3f})"
+            )
     (RESULTS / "variants.md").write_text("\n".join(lines) + "\n")
 
 

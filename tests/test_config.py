@@ -138,7 +138,8 @@ def test_the_variant_demo_presets_are_the_tiny_demo_with_the_variant(variant):
     output folder), so the demos compare the variants and nothing else."""
     preset = load_config([f"tiny-demo-{variant}"]).model_dump()
     plain = load_config(
-        ["tiny-demo"], [f"drafter.variant={variant}", f"name=tiny-demo-{variant}", f"output_dir=runs/tiny-demo-{variant}"]
+        ["tiny-demo"],
+        [f"drafter.variant={variant}", f"name=tiny-demo-{variant}", f"output_dir=runs/tiny-demo-{variant}"],
     ).model_dump()
     assert preset == plain
     assert preset["drafter"]["variant"] == variant

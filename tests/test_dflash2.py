@@ -118,8 +118,11 @@ def test_convolutions_never_cross_a_block_boundary(small_target, backend):
         changed[b] = torch.randint(4, 64, (B,), generator=torch.Generator().manual_seed(b))
         changed[b, 0] = (changed[b, 0] + 1) % 60 + 4  # the anchor too: every slot of block b differs
         after = training_layout(
-            drafter, blocks._replace(input_ids=changed) if hasattr(blocks, "_replace") else _with_ids(blocks, changed),
-            features, positions, backend,
+            drafter,
+            blocks._replace(input_ids=changed) if hasattr(blocks, "_replace") else _with_ids(blocks, changed),
+            features,
+            positions,
+            backend,
         )
         assert not torch.equal(after[b], before[b])
         keep = [i for i in range(blocks.anchors.numel()) if i != b]
@@ -286,9 +289,7 @@ def test_the_dflash2_loss_and_its_gradients_match_the_plain_objective(small_targ
     weights = torch.rand(n, generator=g, dtype=F64) + 0.2
     weights[::B] = 0.0
     prev = torch.randint(0, 64, (n,), generator=g)
-    batch = SimpleNamespace(
-        weights=weights, labels=labels, slots=torch.arange(n) % B, extras={"prev_ids": prev}
-    )
+    batch = SimpleNamespace(weights=weights, labels=labels, slots=torch.arange(n) % B, extras={"prev_ids": prev})
     terms = dict(kl_weight=0.0, cap_weight=0.2, label_source="data", logit_scale=0.9, softcap=softcap)
     loss, metrics = variant.loss(
         drafter, hidden, None, head, batch, {"terms": terms, "chunk_size": 7}, reference=reference
@@ -317,8 +318,15 @@ def test_training_step_matches_the_reference_loss(tmp_path):
     data = write_data(tmp_path / "data.jsonl", n=4)
     cfg = load_config(
         ["tiny-demo"],
-        [*SMALL, f"data.train_files=[{data}]", f"output_dir={tmp_path / 'run'}", "drafter.variant=dflash2",
-         "drafter.dflash2.selector_rank=16", "loss.kl_weight=0.2", "train.dtype=float32"],
+        [
+            *SMALL,
+            f"data.train_files=[{data}]",
+            f"output_dir={tmp_path / 'run'}",
+            "drafter.variant=dflash2",
+            "drafter.dflash2.selector_rank=16",
+            "loss.kl_weight=0.2",
+            "train.dtype=float32",
+        ],
     )
     target, tok, rows, _, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, rows, rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
@@ -326,8 +334,12 @@ def test_training_step_matches_the_reference_loss(tmp_path):
     for conv in (d.layers[0].attention_conv, d.layers[0].mlp_conv):  # away from the identity
         torch.nn.init.normal_(conv.kernel_projection.weight, std=0.05)
     batch = drafter_step(d, produce_row_features(target, rows[0], 0, cfg), cfg, train=True)
-    params = [d.fc.weight, d.layers[0].attention_conv.kernel_projection.weight, d.layers[0].mlp_conv.base_kernel,
-              *d.candidate_selector.parameters()]
+    params = [
+        d.fc.weight,
+        d.layers[0].attention_conv.kernel_projection.weight,
+        d.layers[0].mlp_conv.base_kernel,
+        *d.candidate_selector.parameters(),
+    ]
     fused, metrics = draft_loss(d, batch, cfg)
     g_fused = torch.autograd.grad(fused, params, retain_graph=True)
     ref, _ = draft_loss(d, batch, cfg, reference=True)

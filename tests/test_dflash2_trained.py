@@ -54,7 +54,9 @@ def test_training_logs_the_selector_and_learns_it(trained):
     # the convolutions and the selector moved away from their initial values
     d = trained["drafter"]
     assert d.layers[0].attention_conv.kernel_projection.weight.abs().max() > 0
-    assert not torch.allclose(d.layers[0].mlp_conv.base_kernel[:, 0], torch.ones_like(d.layers[0].mlp_conv.base_kernel[:, 0]))
+    assert not torch.allclose(
+        d.layers[0].mlp_conv.base_kernel[:, 0], torch.ones_like(d.layers[0].mlp_conv.base_kernel[:, 0])
+    )
 
 
 def test_checkpoint_round_trip_and_greedy_decoding_is_lossless(trained):

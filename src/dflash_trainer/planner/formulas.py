@@ -389,7 +389,9 @@ def conv_saved(d: DrafterDims, w: Workload) -> int:
     not otherwise keep) and its bf16 cast for ``kernel_projection`` under autocast, the dynamic kernels
     ``[Q, 2, kernel, G]`` and the sublayer's output ``[Q, H]`` (the output side's input)."""
     Q, h, c = w.queries, d.hidden, w.c
-    per_sublayer = Q * h * 4 + (Q * h * c if w.autocast else 0) + Q * 2 * w.conv_kernel * (h // w.conv_group_size) * c + Q * h * c
+    per_sublayer = (
+        Q * h * 4 + (Q * h * c if w.autocast else 0) + Q * 2 * w.conv_kernel * (h // w.conv_group_size) * c + Q * h * c
+    )
     return 2 * per_sublayer
 
 

@@ -288,7 +288,9 @@ class DFlash2Variant(Variant):
         o, spec = _options(drafter.spec), drafter.spec
         terms = loss_kwargs["terms"]
         if terms.get("label_source", "data") != "data":
-            raise UserError("drafter.variant dflash2 trains its selector on the data labels: set loss.label_source=data")
+            raise UserError(
+                "drafter.variant dflash2 trains its selector on the data labels: set loss.label_source=data"
+            )
         k = o["selector_top_k"]
         weights = batch.weights.to(head.dtype)
         if reference:
