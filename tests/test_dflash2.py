@@ -2,6 +2,7 @@
 leak across blocks in either attention backend, training layout == serving layout), the selector
 walk at inference against a plain per-slot reference, and the DDTree over the selector's scores."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -117,25 +118,13 @@ def test_convolutions_never_cross_a_block_boundary(small_target, backend):
         changed = blocks.input_ids.clone()
         changed[b] = torch.randint(4, 64, (B,), generator=torch.Generator().manual_seed(b))
         changed[b, 0] = (changed[b, 0] + 1) % 60 + 4  # the anchor too: every slot of block b differs
-        after = training_layout(
-            drafter,
-            blocks._replace(input_ids=changed) if hasattr(blocks, "_replace") else _with_ids(blocks, changed),
-            features,
-            positions,
-            backend,
-        )
+        after = training_layout(drafter, dataclasses.replace(blocks, input_ids=changed), features, positions, backend)
         assert not torch.equal(after[b], before[b])
         keep = [i for i in range(blocks.anchors.numel()) if i != b]
         assert torch.equal(after[keep], before[keep]), f"block {b}'s tokens reached another block"
     for b, ref in enumerate(per_block_reference(drafter, blocks, features, positions)):
         if ref is not None:
             assert torch.allclose(before[b], ref, atol=1e-12), f"block {b}"
-
-
-def _with_ids(blocks, ids):
-    import dataclasses
-
-    return dataclasses.replace(blocks, input_ids=ids)
 
 
 def test_a_leaking_convolution_would_be_caught():
