@@ -184,18 +184,13 @@ def main() -> None:
         result["bf16_speedup"] = result["fused_fp32_step_s"] / result["fused_bf16_step_s"]
         rows_out.append(result)
         print(result, flush=True)
-    meta = {
-        "cpus": os.cpu_count(),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load_average_1min_at_end": os.getloadavg()[0],
-        "reps": args.reps,
-        "command": "python benchmarks/bench_train_step.py"
+    meta = run_meta(
+        args,
+        "python benchmarks/bench_train_step.py"
         + (f" --reps {args.reps}" if args.reps != 7 else "")
         + (" --quick" if args.quick else "")
         + (f" --threads {args.threads}" if args.threads != 2 else ""),
-    }
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_step.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2) + "\n")
     lines = [
@@ -221,6 +216,19 @@ def main() -> None:
             )
     (RESULTS / "train_step.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def run_meta(args, command: str) -> dict:
+    """What a results file records about the run: machine, threads, torch, date, load, repetitions."""
+    return {
+        "cpus": os.cpu_count(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_1min_at_end": os.getloadavg()[0],
+        "reps": args.reps,
+        "command": command,
+    }
 
 
 def compare_variants(args, data: Path, tmp: Path) -> None:
@@ -283,16 +291,11 @@ def compare_variants(args, data: Path, tmp: Path) -> None:
             }
         )
         print(out[-1], flush=True)
-    meta = {
-        "cpus": os.cpu_count(),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load_average_1min_at_end": os.getloadavg()[0],
-        "reps": args.reps,
-        "command": f"python benchmarks/bench_train_step.py --variants {' '.join(args.variants)}"
+    meta = run_meta(
+        args,
+        f"python benchmarks/bench_train_step.py --variants {' '.join(args.variants)}"
         + (f" --reps {args.reps}" if args.reps != 7 else ""),
-    }
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_step_variants.json").write_text(json.dumps({"meta": meta, "rows": out}, indent=2) + "\n")
     base = out[0]

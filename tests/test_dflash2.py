@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 import pytest
+import test_drafter
 import torch
 from test_drafter import packed_row, per_block_reference
 
@@ -22,23 +23,7 @@ from dflash_trainer.variants.dflash2 import grouped_dynamic_conv, selector_train
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 F64 = torch.float64
 B = 4
-
-
-@pytest.fixture(scope="module")
-def small_target():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-    )
-    return Qwen3ForCausalLM(cfg).double().eval()
+small_target = test_drafter.small_target  # the module-scoped fixture of test_drafter.py
 
 
 def dflash2_drafter(target, *, variant="dflash2", kernel=2, group=4, top_k=5, sliding=(), randomize=True, seed=0):
@@ -167,6 +152,10 @@ def test_propose_is_the_selector_walk(small_target):
     # teacher-forced eval reads the same drafts
     logits = variant.draft_logits(drafter, hidden[None], torch.tensor([7]), None)
     assert logits[0].argmax(-1).tolist() == want
+    # candidate recall: a token is a hit exactly when it is among its slot's K unary candidates
+    for token in range(64):
+        hits = variant.candidate_hits(drafter, logits, torch.full((1, B - 1), token))[0].tolist()
+        assert hits == [token in cand.tolist() for cand, _ in scores]
     # the walk is not the unary argmax here (the selector matters), else the test would prove little
     unary = hidden[1:] @ drafter.lm_head_weight.T
     assert unary.argmax(-1).tolist() != want

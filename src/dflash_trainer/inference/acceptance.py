@@ -134,7 +134,7 @@ def teacher_forced_blocks(
 
             return draft_tree(variant, drafter, hidden[j], anchor_ids[j], log_probs, budget, span - 1)
 
-        hits = variant.candidate_hits(drafter, hidden, greedy)
+        hits = variant.candidate_hits(drafter, draft_logits, greedy)
         yield ScoredBlocks(draft_logits, greedy, tree_of, confidence, acceptance, hits)
         del draft_logits, hidden, tree_of
 

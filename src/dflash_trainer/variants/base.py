@@ -101,9 +101,16 @@ class Variant:
     def loss(self, drafter: DFlashDrafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool):
         """``(loss, metrics)`` of one row's blocks. ``hidden``/``teacher`` ``[N, H]`` and ``head`` ``[V, H]`` in
         the loss's dtype; ``loss_kwargs`` the base terms (``fused_draft_loss``'s keywords)."""
+        return self.draft_loss(drafter, hidden, teacher, head, batch, loss_kwargs, reference=reference)
+
+    @staticmethod
+    def draft_loss(drafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool, **extra):
+        """The fused draft loss (or its plain reference) of ``batch``'s rows with the base terms plus a
+        variant's ``extra`` keywords of ``fused_draft_loss`` (DSpark's bias and per-row terms, DFlash2's top K)."""
         weights = batch.weights.to(head.dtype)
+        terms = {**loss_kwargs["terms"], **extra}
         if reference:
-            return reference_draft_loss(hidden, teacher, head, batch.labels, weights, **loss_kwargs["terms"])
+            return reference_draft_loss(hidden, teacher, head, batch.labels, weights, **terms)
         return fused_draft_loss(
             hidden,
             teacher,
@@ -111,9 +118,9 @@ class Variant:
             batch.labels,
             weights,
             slot_ids=batch.slots,
-            **loss_kwargs["terms"],
             num_slots=drafter.spec.block_size,
             chunk_size=loss_kwargs["chunk_size"],
+            **terms,
         )
 
     def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
@@ -134,9 +141,9 @@ class Variant:
         confidence head's, along the drafts ``draft_logits`` reads), or None: DFlash has no such head."""
         return None
 
-    def candidate_hits(self, drafter: DFlashDrafter, hidden: torch.Tensor, greedy: torch.Tensor):
+    def candidate_hits(self, drafter: DFlashDrafter, draft_logits: torch.Tensor, greedy: torch.Tensor):
         """``[g, D]`` bool: whether each slot's target token (``greedy`` ``[g, D]``) is among the tokens the
-        variant can draft there (DFlash2's unary top K) for blocks ``hidden`` ``[g, B, H]``; None: any token."""
+        variant can draft there (DFlash2's unary top K), from ``draft_logits`` ``[g, D, V]``; None: any token."""
         return None
 
     @torch.no_grad()

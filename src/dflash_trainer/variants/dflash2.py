@@ -37,7 +37,6 @@ from torch import nn
 
 from ..config.variants import DFlash2Settings
 from ..errors import UserError
-from ..loss import fused_draft_loss, reference_draft_loss
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from .base import Variant
@@ -285,29 +284,14 @@ class DFlash2Variant(Variant):
         return {"prev_ids": input_ids[idx].reshape(-1)}
 
     def loss(self, drafter: DFlashDrafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool):
-        o, spec = _options(drafter.spec), drafter.spec
-        terms = loss_kwargs["terms"]
+        o, terms = _options(drafter.spec), loss_kwargs["terms"]
         if terms.get("label_source", "data") != "data":
             raise UserError(
                 "drafter.variant dflash2 trains its selector on the data labels: set loss.label_source=data"
             )
-        k = o["selector_top_k"]
-        weights = batch.weights.to(head.dtype)
-        if reference:
-            loss, metrics = reference_draft_loss(hidden, teacher, head, batch.labels, weights, **terms, top_k=k)
-        else:
-            loss, metrics = fused_draft_loss(
-                hidden,
-                teacher,
-                head,
-                batch.labels,
-                weights,
-                slot_ids=batch.slots,
-                num_slots=spec.block_size,
-                chunk_size=loss_kwargs["chunk_size"],
-                **terms,
-                top_k=k,
-            )
+        loss, metrics = self.draft_loss(
+            drafter, hidden, teacher, head, batch, loss_kwargs, reference=reference, top_k=o["selector_top_k"]
+        )
         sel_loss, sel_metrics = self.selector_loss(drafter, hidden, head, batch, metrics["topk_ids"], terms)
         metrics.update(sel_metrics)
         return loss + o["selector_alpha"] * sel_loss.to(loss.dtype), metrics
@@ -372,12 +356,10 @@ class DFlash2Variant(Variant):
         head's logits (their argmax is the walk's draft; -inf outside a slot's K candidates)."""
         return self.walk(drafter, hidden, anchors)[0]
 
-    @torch.no_grad()
-    def candidate_hits(self, drafter: DFlashDrafter, hidden: torch.Tensor, greedy: torch.Tensor):
-        """``[g, D]``: the target's token among the slot's K unary candidates (the selector cannot draft others)."""
-        unary = transform_logits(_upcast(drafter.block_logits(hidden[:, 1:])), **drafter.spec.logit_options)
-        cand = unary.topk(drafter.candidate_selector.top_k, dim=-1).indices
-        return (cand == greedy[..., None]).any(-1)
+    def candidate_hits(self, drafter: DFlashDrafter, draft_logits: torch.Tensor, greedy: torch.Tensor):
+        """``[g, D]``: the target's token among the slot's K unary candidates, the finite entries of the
+        walk's scores (``draft_logits``; the selector cannot draft another token)."""
+        return torch.isfinite(draft_logits.gather(-1, greedy[..., None]).squeeze(-1))
 
     @torch.no_grad()
     def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):

@@ -30,7 +30,6 @@ from torch import nn
 
 from ..config.variants import DSparkSettings
 from ..errors import UserError
-from ..loss import fused_draft_loss, reference_draft_loss
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from .base import Variant
@@ -195,10 +194,15 @@ class DSparkVariant(Variant):
         o, spec = _options(drafter.spec), drafter.spec
         b = spec.block_size
         feat, conf = self.head_inputs(drafter, batch.extras["prev_ids"], hidden)
-        weights = batch.weights.to(head.dtype)
         dpard = o["position_weights"] == "dpard"
-        terms = dict(
-            loss_kwargs["terms"],
+        loss, metrics = self.draft_loss(
+            drafter,
+            hidden,
+            teacher,
+            head,
+            batch,
+            loss_kwargs,
+            reference=reference,
             bias_rows=feat.to(head.dtype),
             bias_weight=drafter.markov_head.markov_w2.weight.to(head.dtype),
             renyi_weight=o["renyi_weight"],
@@ -207,20 +211,6 @@ class DSparkVariant(Variant):
             dpard_alpha=o["dpard_alpha"],
             block_ids=torch.arange(hidden.shape[0], device=hidden.device) // b if dpard else None,
         )
-        if reference:
-            loss, metrics = reference_draft_loss(hidden, teacher, head, batch.labels, weights, **terms)
-        else:
-            loss, metrics = fused_draft_loss(
-                hidden,
-                teacher,
-                head,
-                batch.labels,
-                weights,
-                slot_ids=batch.slots,
-                num_slots=b,
-                chunk_size=loss_kwargs["chunk_size"],
-                **terms,
-            )
         if conf is not None:
             # BCE against the measured acceptance, detached, on the fixed slot weights (as speculators:
             # D-PARD's credit is for the token terms), as a weighted mean like the other terms.
