@@ -36,3 +36,33 @@ import tempfile  # noqa: E402
 if "DFLASH_DATA_CACHE" not in os.environ:
     os.environ["DFLASH_DATA_CACHE"] = tempfile.mkdtemp(prefix="dflash-test-data-cache-")
     atexit.register(shutil.rmtree, os.environ["DFLASH_DATA_CACHE"], ignore_errors=True)
+
+# Drafters trained for the tests (tests/trained.py) are built once per test session, the same way: a
+# folder that this session's processes share and its first process removes, never one that outlives
+# the session (a drafter trained by older code must not be reused).
+if "DFLASH_TEST_TRAINED_CACHE" not in os.environ:
+    os.environ["DFLASH_TEST_TRAINED_CACHE"] = tempfile.mkdtemp(prefix="dflash-test-trained-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_TEST_TRAINED_CACHE"], ignore_errors=True)
+
+
+# The loss's native CPU kernel is built twice (loss/native.py): for this CPU (-march=native) and for the
+# architecture's baseline instruction set, so that a machine without AVX-512 (or AVX2) is exercised on
+# every machine. A test or a parameter marked ``native_isa("baseline")`` runs with the baseline build
+# (``NATIVE_BUILDS`` in tests/kernel_builds.py marks them); where the compiler cannot build it, the test
+# is skipped and says why.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _native_kernel_build(request, monkeypatch):
+    marker = request.node.get_closest_marker("native_isa")
+    if marker is None:
+        yield
+        return
+    from dflash_trainer.loss import native
+
+    isa = marker.args[0]
+    if native.load(isa) is None:
+        pytest.skip(f"the native kernel's {isa} build could not be built here: {native.BUILD_ERROR}")
+    monkeypatch.setenv(native.ISA_ENV, isa)
+    yield

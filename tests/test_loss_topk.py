@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from kernel_builds import COMPILED, NATIVE_BUILDS
 
 if not torch.cuda.is_available():  # must precede the Triton kernel module's import (triton.jit reads it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -50,7 +51,7 @@ def _assert_matches_reference(m, ref_m, weights, tol):
     assert (logits[keep].diff(dim=1) <= 0).all()  # sorted descending
 
 
-@pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
+@COMPILED
 @pytest.mark.parametrize("name", list(CASES))
 def test_topk_matches_reference_and_leaves_the_loss_alone(name, compiled):
     """ids exactly, logits within 1e-12; loss and gradients bit-identical to top_k=0."""
@@ -70,7 +71,7 @@ def test_topk_matches_reference_and_leaves_the_loss_alone(name, compiled):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, None])
-@pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
+@COMPILED
 def test_topk_does_not_depend_on_chunking(chunk, compiled):
     case, inputs = CASES["softcap_scale"], make_inputs(seed=3)
     _, m = _call(fused_draft_loss, case, inputs, chunk_size=chunk, compile=compiled, top_k=K)
@@ -78,7 +79,7 @@ def test_topk_does_not_depend_on_chunking(chunk, compiled):
     _assert_matches_reference(m, ref_m, inputs[4], 1e-12)
 
 
-@pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
+@COMPILED
 def test_top_1_is_the_argmax_and_top_v_the_full_sort(compiled):
     inputs = make_inputs()
     hs, ht, w_head, labels, weights = inputs[:5]
@@ -125,7 +126,8 @@ def raw_rows(v=40_000, rows=7, seed=0):
 
 
 @pytest.mark.parametrize("k", [1, K, 40_000])
-def test_native_kernel_top_k_with_ties_float64(k):
+@NATIVE_BUILDS
+def test_native_kernel_top_k_with_ties_float64(k, build):
     """The kernel alone: sorted descending, ties by lower id (a stable sort), rows on two threads."""
     z = raw_rows()
     coef = torch.full((z.shape[0],), 0.1, dtype=F64)
@@ -147,7 +149,8 @@ def test_native_kernel_top_k_with_ties_float64(k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_top_k_in_float32_and_bf16_matches_eager(dtype):
+@NATIVE_BUILDS
+def test_native_top_k_in_float32_and_bf16_matches_eager(dtype, build):
     """Same transformed values as the eager passes (the same GEMM output); ids point at those values."""
     hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(v=3000)[:5])
     hs = hs.detach()
@@ -163,7 +166,7 @@ def test_native_top_k_in_float32_and_bf16_matches_eager(dtype):
         assert torch.equal(mn["topk_ids"], me["topk_ids"])
 
 
-@pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
+@COMPILED
 def test_topk_never_allocates_positions_by_vocab(compiled):
     """The no-[N x V] test of test_loss.py with top_k=16 (smaller, same pattern); the native kernel
     selects in its row pass (no aten topk), the eager passes call torch.topk once per chunk."""

@@ -8,6 +8,13 @@ are split across ``torch.get_num_threads()`` threads: OpenMP's inside the kernel
 competing for the cores), or, where the compiler has no OpenMP, Python threads (a ``ctypes`` call
 releases the GIL).
 
+Two builds of the same source: ``native`` (the default: ``-march=native``, every vector extension of
+this CPU, AVX-512 or AVX2 or NEON) and ``baseline`` (the architecture's baseline instruction set,
+``-march=x86-64`` on x86-64: SSE2 only; ``-march=armv8-a`` on AArch64), which the tests run beside the
+native one so that a machine without AVX-512 is exercised on every machine. ``DFLASH_KERNEL_ISA``
+picks the build the loss loads (``native`` or ``baseline``); a compiler that refuses ``-march`` builds
+for its own default target instead.
+
 ``DFLASH_KERNEL_CACHE`` sets the cache folder (default ``~/.cache/dflash-trainer/kernels``), ``CXX``
 the compiler (default ``c++``). ``load()`` returns None, and ``BUILD_ERROR`` says why, where the
 kernel cannot be built; the loss then uses another implementation.
@@ -30,9 +37,21 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "chunk_epilogue.cpp"
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-fPIC", "-shared")
-# Tried in order: a compiler without OpenMP builds the kernel single-threaded (Python threads split the
-# rows), one without -march=native (some clang targets) for the baseline instruction set.
-OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ())
+_BASELINE_ARCH = {
+    "x86_64": "-march=x86-64",
+    "AMD64": "-march=x86-64",
+    "aarch64": "-march=armv8-a",
+    "arm64": "-march=armv8-a",
+}
+_baseline = _BASELINE_ARCH.get(platform.machine())
+# Per build, tried in order: a compiler without OpenMP builds the kernel single-threaded (Python threads
+# split the rows), one without the -march flag (some clang targets) for its own default target.
+OPTIONAL_FLAGS = {
+    "native": (("-march=native", "-fopenmp"), ("-march=native",), ()),
+    "baseline": (((_baseline, "-fopenmp"), (_baseline,), ("-fopenmp",), ()) if _baseline else (("-fopenmp",), ())),
+}
+ISAS = tuple(OPTIONAL_FLAGS)
+ISA_ENV = "DFLASH_KERNEL_ISA"
 CACHE_ENV = "DFLASH_KERNEL_CACHE"
 # Head dtype -> (entry point, compute dtype of the row results).
 ENTRY = {
@@ -43,9 +62,17 @@ ENTRY = {
 
 BUILD_SECONDS: float | None = None  # what building took in this process (None: loaded from the cache or not built)
 BUILD_ERROR: str | None = None
-_library: ctypes.CDLL | None = None
-_tried = False
+_libraries: dict[str, ctypes.CDLL | None] = {}  # per build, once tried (None: it could not be built)
+_errors: dict[str, str] = {}
 _pool: ThreadPoolExecutor | None = None
+
+
+def selected_isa() -> str:
+    """The build the loss uses: ``DFLASH_KERNEL_ISA`` (``native``, the default, or ``baseline``)."""
+    isa = os.environ.get(ISA_ENV, "native") or "native"
+    if isa not in OPTIONAL_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISAS)}")
+    return isa
 
 
 def _cpu_signature() -> str:
@@ -67,15 +94,16 @@ def _compiler_version(cxx: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
-def library_path() -> Path:
-    """Where the built kernel for this source, compiler and CPU lives (built or not)."""
+def library_path(isa: str | None = None) -> Path:
+    """Where the ``isa`` build (default: the selected one) for this source, compiler and CPU lives."""
+    isa = isa or selected_isa()
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256(
         "\n".join(
-            [SOURCE.read_text(), _compiler_version(cxx), repr((FLAGS, OPTIONAL_FLAGS)), _cpu_signature()]
+            [SOURCE.read_text(), _compiler_version(cxx), repr((FLAGS, OPTIONAL_FLAGS[isa])), _cpu_signature()]
         ).encode()
     ).hexdigest()[:16]
-    return _cache_root() / f"chunk_epilogue-{key}.so"
+    return _cache_root() / f"chunk_epilogue-{isa}-{key}.so"
 
 
 def _cache_root() -> Path:
@@ -92,7 +120,7 @@ def _cache_root() -> Path:
     return Path(tempfile.gettempdir()) / f"dflash-trainer-kernels-{os.getuid()}"
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, isa: str) -> None:
     """Compile into a temporary file next to ``target``, then rename: concurrent builders (the ranks of
     one launch) each write their own file and the last rename wins, with identical contents."""
     cxx = os.environ.get("CXX", "c++")
@@ -102,7 +130,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        for extra in OPTIONAL_FLAGS:
+        for extra in OPTIONAL_FLAGS[isa]:
             out = subprocess.run(
                 [cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
             )
@@ -116,21 +144,24 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None (and ``BUILD_ERROR`` set) where it cannot be built."""
-    global _library, _tried, BUILD_SECONDS, BUILD_ERROR
-    if _tried:
-        return _library
-    _tried = True
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The ``isa`` build (default: ``selected_isa()``) of the kernel library, built on first use; None (and
+    ``BUILD_ERROR`` set) where it cannot be built."""
+    global BUILD_SECONDS, BUILD_ERROR
+    isa = isa or selected_isa()
+    if isa in _libraries:
+        BUILD_ERROR = _errors.get(isa)
+        return _libraries[isa]
+    _libraries[isa] = None
     try:
-        path = library_path()
+        path = library_path(isa)
         if not path.exists():
             t0 = time.perf_counter()
-            _build(path)
+            _build(path, isa)
             BUILD_SECONDS = time.perf_counter() - t0
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        BUILD_ERROR = f"{type(e).__name__}: {e}"
+        BUILD_ERROR = _errors[isa] = f"{type(e).__name__}: {e}"
         return None
     ptr, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
     for name, _ in ENTRY.values():
@@ -141,14 +172,16 @@ def load() -> ctypes.CDLL | None:
     lib.dflash_openmp.restype = ctypes.c_int
     lib.dflash_exp_f32.argtypes = [ptr, ptr, i64]
     lib.dflash_exp_f32.restype = None
-    _library = lib
+    _libraries[isa] = lib
     return lib
 
 
 def reset() -> None:
-    """Forget the loaded library so that the next ``load()`` tries again (tests change CXX or the cache)."""
-    global _library, _tried, BUILD_SECONDS, BUILD_ERROR
-    _library, _tried, BUILD_SECONDS, BUILD_ERROR = None, False, None, None
+    """Forget the loaded libraries so that the next ``load()`` tries again (tests change CXX or the cache)."""
+    global BUILD_SECONDS, BUILD_ERROR
+    _libraries.clear()
+    _errors.clear()
+    BUILD_SECONDS, BUILD_ERROR = None, None
 
 
 def chunk_epilogue(

@@ -1,0 +1,280 @@
+"""Error bounds for comparing floating-point results, derived from the arithmetic, never measured.
+
+Every bound here is a worst case of the standard model of floating-point arithmetic (Higham, *Accuracy
+and Stability of Numerical Algorithms*, 2nd ed., chapters 2-4): each basic operation in a dtype with
+unit roundoff u returns the exact result times (1 + d), |d| <= u. Worst cases hold for *any* summation
+order, blocking, vector width or thread split, so they hold on every machine (AVX-512 or AVX2 only,
+OpenMP or not, Triton's blocks, a different BLAS): a test bounded by one of them fails only when the
+code computes something else, never because a CPU sums in another order. They are loose (the typical
+error grows like sqrt(n) u, not n u), and a bug in a loss or a kernel still shows up orders of
+magnitude above them (a wrong term, sign, temperature or index moves results by 1e-3 to 1, where these
+bounds are 1e-4 at most for fp32 at the tests' sizes).
+
+The rules:
+- ``gamma(n, dtype) = n u / (1 - n u)``: the relative error of n chained roundings.
+- a sum of n terms: ``|fl(sum x) - sum x| <= gamma(n - 1) * sum |x|``;
+- a dot product of length n, or an entry of a matrix product with inner dimension n:
+  ``|fl(x . y) - x . y| <= gamma(n) * sum |x_i y_i|``;
+- an elementary function (exp, log, tanh, sqrt) of a library: ``ELEMENTARY_ULPS`` ulp;
+- a softmax over n logits: ``softmax_error`` (below);
+- a fast result F and a float64 reference R with ``|F - R| <= b_F``: two fast results compared with
+  each other differ by at most ``b_F + b_G`` (``combined``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MANTISSA_BITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+
+# Library elementary functions in float: glibc's libm and libmvec document at most 1-4 ulp for
+# exp/log/tanh in binary32 (glibc manual, "Known Maximum Errors in Math Functions"), numpy's SIMD float32
+# exp/log at most 2.52 / 3.83 ulp (numpy 1.20 release notes); Sleef's *_u10 functions 1 ulp.
+ELEMENTARY_ULPS = 4
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a dtype with p mantissa bits (the implicit bit included): fp32 2^-24, bf16 2^-8."""
+    return 2.0 ** -_MANTISSA_BITS[dtype]
+
+
+def gamma(n: float, dtype: torch.dtype) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n roundings in a row."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) undefined for {dtype}: n u >= 1")
+    return nu / (1 - nu)
+
+
+def kernel_exp_error() -> float:
+    """Relative error bound of the native kernel's float exp (kernels/chunk_epilogue.cpp, ``exp_c``):
+    Horner's rule for the degree-7 Taylor polynomial at |r| <= ln2/2 rounds 14 times on sums whose
+    absolute values add up to at most e^{ln2/2} < 1.42 (Higham eq. 5.3: gamma_{2n} sum |a_i| |r|^i),
+    the truncation is 5e-9 relative (the kernel's comment: (ln2/2)^8/8! < 5e-9), the range reduction
+    rounds twice on r (the first part of the Cody-Waite split is exact), and the scaling by 2^n once."""
+    return gamma(14, torch.float32) * 1.42 + 5e-9 + gamma(3, torch.float32) * 1.42
+
+
+def elementary_error(dtype: torch.dtype = torch.float32) -> float:
+    """Relative error bound of a library exp/log/tanh/sqrt in ``dtype``; the native kernel's own float
+    exp has a larger one (``kernel_exp_error``), so float bounds take the larger of the two."""
+    if dtype == torch.float64:
+        return ELEMENTARY_ULPS * unit_roundoff(dtype) * 2
+    return max(ELEMENTARY_ULPS * unit_roundoff(dtype) * 2, kernel_exp_error())
+
+
+def softmax_error(n: int, spread: float, dtype: torch.dtype = torch.float32) -> float:
+    """Relative error bound of every probability ``p_j = exp(z_j - m) / sum_k exp(z_k - m)`` of a
+    softmax over n logits computed in ``dtype`` from exact inputs, where ``spread`` bounds |z_j - m|:
+    the subtraction rounds (absolute error u |z_j - m| in the exponent, so relative ``u * spread``
+    in the exponential), the exponential (``elementary_error``), the sum of n positive terms
+    (``gamma(n - 1)``) and the division (u), to first order in u."""
+    u = unit_roundoff(dtype)
+    return u * spread + elementary_error(dtype) + gamma(n - 1, dtype) + u
+
+
+def combined(*bounds):
+    """Two fast results each within its bound of the same float64 reference differ by at most the sum."""
+    total = bounds[0]
+    for b in bounds[1:]:
+        total = total + b
+    return total
+
+
+def matmul_error(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise bound on ``|fl(a @ b) - a @ b|`` computed in ``dtype`` from inputs exact in it:
+    gamma(inner dim) |a| |b| (Higham eq. 3.13)."""
+    return gamma(a.shape[-1], dtype) * (a.double().abs() @ b.double().abs())
+
+
+def log_sum_exp_terms(n: int) -> float:
+    """log n: the largest entropy of a distribution over n outcomes, which bounds sums of p |log p|."""
+    return math.log(n)
+
+
+def transformed_logits(z_raw: torch.Tensor, logit_scale: float, softcap: float | None) -> torch.Tensor:
+    """The loss's logit transform in float64: ``scale z``, then ``c tanh(z / c)`` with a softcap c."""
+    z = z_raw.double() * logit_scale
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
+def epilogue_error(
+    zs_raw, zt_raw, coef, kl_weight, temperature, cap_temperature, logit_scale, softcap, renyi_weight=0.0
+):
+    """Bounds for a chunk epilogue (``native.chunk_epilogue``'s contract) computed in float from raw
+    logits exact in the head dtype, against the same epilogue in float64. Returns
+    ``(row_error, g_error)``: ``row_error(x64)`` bounds each row result (lse, entropy, KL, acceptance,
+    Renyi) given its float64 value, ``g_error`` ``[c, 1]`` bounds every element of G before it is
+    rounded to the head dtype (``g_head_error`` adds that rounding).
+
+    Derivation: the transform (a product, a division, tanh and a product) puts an absolute error of at
+    most ``(3u + elementary) |z|`` on each logit, i.e. a relative one of twice that on an exponential of
+    a difference of two logits, divided by the temperature; each probability of the student, the teacher,
+    tempered or not, then carries at most ``delta = softmax_error(V, spread / T_min) + that + 4u`` (4u:
+    the products that combine it into G). G is ``coef [(1-a)(p - e_y) + a T (p^T - q^T) + beta (p -
+    sqrt(p q) / BC)]`` times the transform's derivative (at most the logit scale): a weighted sum of
+    terms at most 1 in magnitude (sqrt(p_j q_j) <= BC), so ``|dG| <= coef |s| (M delta + 4u (M + 1))``
+    with ``M = (1-a) + 2aT + 3 beta``. Each row result is a sum over V of products of at most two
+    probabilities and a logit (or log-probability) bounded by ``|x| + spread``: ``4 delta (1 + |x| +
+    spread)`` covers it, and the acceptance and Renyi terms (sums of min(p, q), -2 log of a sum of
+    sqrt(p q)) are within that too."""
+    u = unit_roundoff(torch.float32)
+    t_min = min(1.0, temperature, cap_temperature)
+    zs = transformed_logits(zs_raw, logit_scale, softcap)
+    logits = [zs] + ([transformed_logits(zt_raw, logit_scale, softcap)] if zt_raw is not None else [])
+    vocab = zs.shape[-1]
+    zmax = torch.stack([z.abs().amax(-1) for z in logits]).amax(0)  # [c]
+    spread = torch.stack([z.amax(-1) - z.amin(-1) for z in logits]).amax(0) / t_min  # [c]
+    transform = (3 * u + elementary_error()) * zmax * 2 / t_min
+    delta = u * spread + elementary_error() + gamma(vocab - 1, torch.float32) + u + transform + 4 * u  # [c]
+    m = (1 - kl_weight) + 2 * kl_weight * temperature + 3 * renyi_weight
+    g_error = (coef.double().abs() * abs(logit_scale) * (m * delta + 4 * u * (m + 1)))[:, None]
+
+    def row_error(x64: torch.Tensor) -> torch.Tensor:
+        return 4 * delta * (1 + x64.abs() + spread)
+
+    return row_error, g_error
+
+
+def g_head_error(g_error: torch.Tensor, g64: torch.Tensor, head_dtype: torch.dtype, truncating=False) -> torch.Tensor:
+    """``g_error`` plus the final rounding of G to the head dtype: ``u_head (|G| + g_error)`` to nearest
+    (none for fp32), twice that for a conversion that truncates (Triton's CPU interpreter converts fp32
+    to bf16 toward zero: ``_convert_float`` rounds to nearest only when asked, and ``.to()`` does not)."""
+    if head_dtype == torch.float32:
+        return g_error
+    u = unit_roundoff(head_dtype) * (2 if truncating else 1)
+    return g_error * (1 + u) + u * g64.abs()
+
+
+def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, temperature=1.0, cap_weight=0.0,
+                     cap_temperature=1.0, logit_scale=1.0, softcap=None, label_source="data", renyi_weight=0.0,
+                     bias_rows=None, bias_weight=None, dpard=False, dpard_alpha=0.5, block_ids=None, **_):  # fmt: skip
+    """Bounds for the fused draft loss computed from the float64 inputs rounded to ``dtype`` (fp32, or
+    bf16 with fp32 logits), against the float64 reference on the float64 inputs: ``(loss_error,
+    grad_error, term_error)``: the loss's absolute error, an elementwise ``[N, H]`` bound on the
+    gradient of ``hs`` (before its own rounding to ``dtype``), and the bound of a metric that averages
+    one per-row term (CE, KL, CAP's entropy). Magnitudes come from the float64 distributions.
+
+    Derivation (the rules of the module docstring):
+    - logits: rounding h and W to ``dtype`` (u_d each), the GEMM (gamma_H, fp32 accumulation) and for a
+      bf16 head the logits' own rounding (u_d |z|) put at most ``dz_i = (3 u_d + gamma_H) max_v (|W|
+      |h_i|)_v`` on each logit of row i (student or teacher);
+    - probabilities: each of row i (student, teacher, tempered or not) is within a relative ``delta_i =
+      2 |s| dz_i / T_min + u spread_i + exp + gamma_{V-1} + u + transform + 4u`` (the logit scale s;
+      the shifted logits' rounding; the exponential; the sum; the division; the transform of
+      ``epilogue_error``; the products that combine them);
+    - row terms: CE = lse - z_y, KL and the CAP entropy are sums of probabilities times their logs, so
+      each is within ``4 delta_i (1 + |x_i|)`` of its float64 value x_i, plus u |lse_i| for the shift;
+    - the loss weights them by ``coef = w / sum w`` ((1-a) CE + a T^2 KL + beta Renyi), CAP's entropy by
+      ``cap_weight`` over its rows, and its final sums round (gamma_N, and the weights' rounding 2 u_d,
+      on the sum of the absolute values);
+    - gradient: G's element v of row i is ``coef_i [(1-a)(p_v - e_y) + a T (p^T_v - q^T_v) + beta (p_v -
+      sqrt(p_v q_v)/BC)]`` plus CAP's ``cap_weight / (n_c Tc) pc_v (log pc_v + H)``, times the
+      transform's derivative (at most |s|); each part is within delta_i of itself, so ``|dG_iv| <=
+      delta_i Gabs_iv`` (Gabs: the sum of the parts' absolute values), and ``dh = G W`` adds the GEMM
+      over V (gamma_V) and W's rounding (u_d): ``|d dh_i| <= (delta_i + gamma_V + 2 u_d) |s| (Gabs_i
+      |W|)``;
+    - DSpark's Markov bias ``e_i . w2_v`` joins the logits (its GEMM over r: gamma_r |e| |w2| on dz), and
+      its gradients are GEMMs of G like dh: ``de = G w2`` over V, ``dw2 = G^T e`` over N;
+    - D-PARD's coefficients ``W_t / n = sum_{k>=t} prod_{i<=k} s_i / n``, ``s_i = alpha + (1-alpha)
+      a_i``, have each acceptance within 4 delta (a sum of min(p, q)), so each factor within
+      ``4 delta / alpha`` relatively and a block's coefficients within ``B 4 delta_max / alpha +
+      gamma_B`` (B factors, B sums); that relative error scales every term of the loss and of G.
+
+    Returns ``(loss_error, grad_error, term_error)``, with a bias ``(loss_error, (grad_error,
+    e_error, w2_error), term_error)``."""
+    u_d, u = unit_roundoff(dtype), unit_roundoff(torch.float32)
+    hs, ht, w_head, weights = (x.detach().double() for x in (hs, ht, w_head, weights))
+    n, h = hs.shape
+    vocab = w_head.shape[0]
+    a, temp, tc = kl_weight, temperature, cap_temperature
+    t_min = min(1.0, temp, tc)
+    z_error = [(3 * u_d + gamma(h, torch.float32)) * (x.abs() @ w_head.abs().T).amax(-1) for x in (hs, ht)]
+    dz = torch.maximum(*z_error)  # [N]
+    bias = 0.0
+    if bias_rows is not None:
+        e, w2 = bias_rows.detach().double(), bias_weight.detach().double()
+        bias = e @ w2.T  # [N, V], the student's only
+        dz = dz + (3 * u_d + gamma(e.shape[1], torch.float32)) * (e.abs() @ w2.abs().T).amax(-1)
+    coef = weights / weights.sum()
+    zs = transformed_logits(hs @ w_head.T + bias, logit_scale, softcap)  # [N, V]
+    zt = transformed_logits(ht @ w_head.T, logit_scale, softcap)
+    zmax = torch.maximum(zs.abs().amax(-1), zt.abs().amax(-1))
+    spread = torch.maximum(zs.amax(-1) - zs.amin(-1), zt.amax(-1) - zt.amin(-1)) / t_min
+    transform = (3 * u + elementary_error()) * zmax * 2 / t_min
+    exp_sum = elementary_error() + gamma(vocab - 1, torch.float32) + u
+    delta = 2 * abs(logit_scale) * dz / t_min + u * spread + exp_sum + transform + 4 * u  # [N]
+
+    y = zt.argmax(-1) if label_source == "teacher" else labels
+    lse = torch.logsumexp(zs, -1)
+    ce = lse - zs.gather(1, y[:, None]).squeeze(1)
+    p, p_t, q_t = zs.softmax(-1), (zs / temp).softmax(-1), (zt / temp).softmax(-1)
+    kl = (q_t * (q_t.clamp_min(1e-300).log() - (zs / temp).log_softmax(-1))).sum(-1)
+    log_pc = (zs / tc).log_softmax(-1)
+    entropy = -(log_pc.exp() * log_pc).sum(-1)
+    live = weights > 0
+    correct = live & (zs.argmax(-1) == y)
+    n_c = max(int(correct.sum()), 1)
+
+    def term(x):
+        return 4 * delta * (1 + x.abs())
+
+    coef_rel = torch.zeros_like(coef)  # relative error of each row's coefficient
+    if dpard:
+        accept = torch.minimum(p, zt.softmax(-1)).sum(-1)
+        s_acc = dpard_alpha + (1 - dpard_alpha) * accept
+        ids = live.nonzero().squeeze(1).tolist()
+        credit = torch.zeros_like(coef)
+        longest = 1
+        for i in ids:
+            same = [j for j in ids if block_ids[j] == block_ids[i]]
+            longest = max(longest, len(same))
+            for k in (j for j in same if j >= i):
+                credit[i] += torch.prod(s_acc[[j for j in same if j <= k]])
+        coef = credit / len(ids)
+        coef_rel = coef_rel + longest * 4 * delta[live].max() / dpard_alpha + gamma(longest, torch.float32)
+
+    parts = (1 - a) * (term(ce) + u * lse.abs()) + a * temp**2 * term(kl)
+    rows_abs = (1 - a) * ce.abs() + a * temp**2 * kl.abs()
+    loss_error = (coef * (parts + coef_rel * rows_abs)).sum() + cap_weight * term(entropy)[correct].sum() / n_c
+    magnitude = (coef * ((1 - a) * ce.abs() + a * temp**2 * kl.abs())).sum() + cap_weight * entropy[correct].mean()
+    loss_error = loss_error + (gamma(n, torch.float32) + 2 * u_d) * magnitude
+
+    g_abs = (1 - a) * (p + torch.nn.functional.one_hot(y, vocab)) + a * temp * (p_t + q_t)
+    if renyi_weight:
+        q1 = zt.softmax(-1)
+        root = (p * q1).sqrt()
+        g_abs = g_abs + renyi_weight * (p + root / root.sum(-1, keepdim=True))
+        renyi = -2 * root.sum(-1).log()
+        loss_error = loss_error + renyi_weight * (coef * (term(renyi) + coef_rel * renyi.abs())).sum()
+    g_abs = coef[:, None] * g_abs
+    pc = log_pc.exp()
+    cap = cap_weight / (n_c * tc) * pc * (log_pc.abs() + entropy[:, None] + 2)
+    g_abs = g_abs + torch.where(correct[:, None], cap, torch.zeros_like(cap))
+    g_abs = g_abs * live[:, None]
+    g_rel = (delta + coef_rel + gamma(vocab, torch.float32) + 2 * u_d)[:, None] * abs(logit_scale)
+    grad_error = g_rel * (g_abs @ w_head.abs())
+    # a metric that is a weighted mean of one per-row term (CE, KL, the CAP entropy): the worst row's
+    # bound plus the mean's own rounding
+    worst = torch.stack([term(ce), term(kl), term(entropy)])[:, live].amax()
+    term_error = worst + (gamma(n, torch.float32) + 2 * u_d) * torch.stack([ce, kl, entropy])[:, live].abs().amax()
+    if bias_rows is not None:
+        e_error = g_rel * (g_abs @ w2.abs())
+        w2_error = (
+            (delta.max() + coef_rel.max() + gamma(n, torch.float32) + 2 * u_d) * abs(logit_scale) * (g_abs.T @ e.abs())
+        )
+        grad_error = (grad_error, e_error, w2_error)
+    return loss_error.item(), grad_error, term_error.item()
+
+
+def float64_forward_error(layers: int, inner: int, amplification: float = 1e3) -> float:
+    """Relative bound (to the output's magnitude) for two evaluations of one network in float64 that differ
+    only in operation order (batched and masked vs cached and incremental): each layer's GEMMs,
+    attention sums and norms round within gamma_inner relative of their absolute values; through
+    ``layers`` layers errors compound by at most ``amplification`` each way (the network's condition:
+    RMS norms, softmax and residual sums of these tiny models amplify relative errors by far less than
+    1e3; the test's subject, a wrong mask or position, moves logits by 1e-3 relative or more, twelve
+    orders of magnitude above the resulting ~1e-10)."""
+    return 2 * layers * amplification * gamma(inner, torch.float64)
