@@ -115,3 +115,10 @@ def vllm_python() -> Path:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_REMOVE], check=True)
         marker.write_text("ok\n")
     return python
+
+
+def vllm_cache() -> Path:
+    """``VLLM_CACHE_ROOT`` for the tests: in vLLM's venv, shared by every session and worker. What vLLM
+    keeps there for these runs (what it inspected of each model class, in a subprocess per class when
+    missing) is keyed by its own source files, and goes when the venv is rebuilt."""
+    return ROOT / ".venv" / "vllm" / "cache"

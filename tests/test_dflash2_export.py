@@ -5,12 +5,10 @@ logits within 1e-3 and selects exactly our tokens on held-out rows; z-lab's own 
 and ``export --check`` read both folders back; a broken folder fails the check, a bad setting is one line."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from external_runner import run_script
 from external_venvs import speculators_python, zlab_python
 from safetensors.torch import load_file, save_file
 from test_export import bf16_rounded
@@ -27,7 +25,6 @@ from dflash_trainer.tiny_target.corpus import load_split
 from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.variants import make_drafter, variant_of
 
-EXTERNAL = Path(__file__).resolve().parent / "external"
 PARITY_ATOL = 1e-3
 ANCHORS = list(range(5, 150, 12))  # 13 blocks of 8 on a held-out row of 160 tokens: 91 selected tokens
 SETTINGS = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
@@ -57,11 +54,7 @@ def make_dflash2_checkpoint(model, tok, root):
 
 
 def run_external(python, script, *args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}  # nothing of dflash_trainer in there
-    run = subprocess.run(
-        [str(python), str(EXTERNAL / script), *map(str, args)], capture_output=True, text=True, timeout=900, env=env
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(python, script, *args)
     out = load_file(str(args[-1]))
     assert "error" not in out, bytes(out["error"].tolist()).decode()
     return out

@@ -8,13 +8,8 @@ import json
 
 import pytest
 import torch
-from test_speculative import (
-    EOS,
-    check_expected_acceptance,
-    check_sampling_is_lossless,
-    sampled_runner,
-    train_on_greedy,
-)
+from test_speculative import check_expected_acceptance, check_sampling_is_lossless, sampled_runner
+from trained import EOS, train_on_greedy
 
 from dflash_trainer.inference.acceptance import acceptance_report
 from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
@@ -25,9 +20,8 @@ STEPS = 100
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained():
     out = train_on_greedy(
-        tmp_path_factory.mktemp("dflash2"),
         "drafter.variant=dflash2",
         "drafter.dflash2.selector_rank=32",
         "drafter.dflash2.selector_top_k=8",

@@ -10,10 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from shared_runs import shared
 from test_train import write_data
 
 from dflash_trainer.training.checkpoint import verify_checkpoint
@@ -136,17 +138,26 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+def single_process_run(tmp_path_factory) -> Path:
+    """A folder with ``data.jsonl`` and ``run``, the one-process run of SMALL on it; made once per test
+    session and only read (test_offline.py compares its offline runs with the same run)."""
+
+    def make(folder):
+        write_data(folder / "data.jsonl", n=16, chars=700)
+        result = run(folder / "run", folder / "data.jsonl", 1)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return shared(tmp_path_factory, "single-process-run", make)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("dist") / "data.jsonl", n=16, chars=700)
+    return single_process_run(tmp_path_factory) / "data.jsonl"
 
 
 @pytest.fixture(scope="module")
-def single(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one") / "run"
-    result = run(out, data, 1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def single(tmp_path_factory):
+    return single_process_run(tmp_path_factory) / "run"
 
 
 def assert_same_losses(a: dict, b: dict, rel: float = 1e-6) -> None:
@@ -216,15 +227,35 @@ def test_hung_target_rank_is_detected_by_the_timeout(data, tmp_path):
     pids = worker_pids(proc.pid)
     assert 0 in pids
     os.kill(pids[0], signal.SIGSTOP)
+    # Once a rank has reported the hang, torchrun stops the others with SIGTERM and waits 30 s for the
+    # stopped one, which cannot act on it: the test kills it as soon as the report is out.
+    err, reported = [], threading.Event()
+
+    def read_stderr():
+        for line in proc.stderr:
+            err.append(line)
+            if "rank 0 (target rank)" in "".join(err) and "hung or dead" in "".join(err):
+                reported.set()
+
+    readers = [threading.Thread(target=read_stderr), threading.Thread(target=proc.stdout.read)]
+    for reader in readers:
+        reader.start()
     try:
-        _, stderr = proc.communicate(timeout=180)
+        reported.wait(timeout=180)
     finally:
         try:
             os.kill(pids[0], signal.SIGKILL)  # a stopped process would wait for a SIGKILL
+            proc.wait(timeout=60)  # the launcher exits on its own once every rank has
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert proc.returncode != 0
+        for reader in readers:
+            reader.join(timeout=60)
+    stderr = "".join(err)
+    assert proc.wait() != 0
     assert "rank 0 (target rank)" in stderr and "hung or dead" in stderr, stderr[-3000:]
 
 

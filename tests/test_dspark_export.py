@@ -3,12 +3,10 @@ serving-parity tests do): its block logits (with the Markov bias) and confidence
 within 1e-3 on held-out rows; formats with no such heads refuse with one line."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from external_runner import run_script
 from external_venvs import speculators_python
 from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, bf16_rounded
@@ -23,7 +21,7 @@ from dflash_trainer.tiny_target.corpus import load_split
 from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.variants import make_drafter, variant_of
 
-SCRIPT = Path(__file__).resolve().parent / "external" / "speculators_dspark_logits.py"
+SCRIPT = "speculators_dspark_logits.py"  # in tests/external
 PARITY_ATOL = 1e-3
 
 
@@ -97,22 +95,7 @@ def test_speculators_dspark_computes_our_logits_and_confidence(setup, name):
         {"features": setup["feats"].float().contiguous(), "input_ids": setup["ids"], "anchors": anchors},
         str(root / f"in-{name}.safetensors"),
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    run = subprocess.run(
-        [
-            str(python),
-            str(SCRIPT),
-            str(out),
-            str(root / f"in-{name}.safetensors"),
-            str(root / f"out-{name}.safetensors"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=root,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(python, SCRIPT, out, root / f"in-{name}.safetensors", root / f"out-{name}.safetensors", cwd=root)
     theirs = load_file(str(root / f"out-{name}.safetensors"))
     target = TargetModel(setup["model"])
     drafter = bf16_rounded(load_drafter(setup["ckpts"][name], target)[0])

@@ -4,16 +4,15 @@ DSpark drafter trained on the tiny target's greedy continuations (so its drafts 
 checks are test_speculative.py's, run on this drafter."""
 
 import pytest
-from test_speculative import check_expected_acceptance, check_sampling_is_lossless, sampled_runner, train_on_greedy
+from test_speculative import check_expected_acceptance, check_sampling_is_lossless, sampled_runner
+from trained import train_on_greedy
 
 from dflash_trainer.variants import block_span
 
 
 @pytest.fixture(scope="module")
-def dspark_trained(tmp_path_factory):
-    trained = train_on_greedy(
-        tmp_path_factory.mktemp("dspark-sampling"), "drafter.variant=dspark", "drafter.dspark.markov_rank=32"
-    )
+def dspark_trained():
+    trained = train_on_greedy("drafter.variant=dspark", "drafter.dspark.markov_rank=32")
     spec = trained["drafter"].spec
     assert spec.variant == "dspark" and block_span(spec) == spec.block_size + 1  # B drafts a block
     return trained

@@ -6,14 +6,13 @@ and compute the block logits the writer's own model code computes (1e-4); ``eval
 ``export --check`` take them; what this project's drafter cannot represent is one line."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from external_runner import run_script
 from external_venvs import specforge_python, speculators_python, zlab_python
 from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, block_logits
@@ -24,7 +23,6 @@ from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target, tiny_target_path
 from dflash_trainer.tiny_target.corpus import load_split
 
-EXTERNAL = Path(__file__).resolve().parent / "external"
 ZLAB_IDS = [1, 3, 5]  # z-lab ids of the tiny target's layers the drafters read; speculators' aux ids are +1
 PARITY_ATOL = 1e-4  # fp32 on both sides, the same weights: only summation order differs
 LAYER = {  # a small Qwen3 drafter of the tiny target's width (hidden 256, vocabulary 8,192)
@@ -50,16 +48,7 @@ ZLAB = ["zlab-saved", "zlab-published", "zlab-top-level", "specforge-saved"]
 
 def run_external(python, script, jobs, root):
     (root / f"{script}.jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}  # nothing of dflash_trainer in there
-    run = subprocess.run(
-        [str(python), str(EXTERNAL / script), str(root / f"{script}.jobs.json")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=root,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(python, script, root / f"{script}.jobs.json", cwd=root)
 
 
 def result(path):
@@ -365,12 +354,7 @@ def test_a_drafter_trained_by_speculators_scores_the_same_tau_in_our_eval(tmp_pa
         "seed": 0,
     }
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    run = subprocess.run(
-        [str(speculators_python()), str(EXTERNAL / "speculators_train.py"), str(tmp_path / "job.json")],
-        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(speculators_python(), "speculators_train.py", tmp_path / "job.json", cwd=tmp_path)
     theirs = load_file(job["result"])
     code, out, err = cli(
         "eval", job["out"], "--data", str(data), "--out", str(tmp_path / "r"), "--budgets", "2",

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from external_venvs import vllm_python
+from external_venvs import vllm_cache, vllm_python
 
 from dflash_trainer.data.chat import tokenize_conversation
 from dflash_trainer.inference.regenerate import _Generator
@@ -60,7 +60,7 @@ def setup(tmp_path_factory):
     write_jsonl(inp, rows)
     ref = root / "hf.jsonl"
     assert generate(inp, ref).returncode == 0
-    env = {**os.environ, "DFLASH_VLLM_PYTHON": str(python)}
+    env = {**os.environ, "DFLASH_VLLM_PYTHON": str(python), "VLLM_CACHE_ROOT": str(vllm_cache())}
     return {"python": python, "root": root, "input": inp, "ref": ref, "env": env}
 
 
@@ -101,7 +101,10 @@ def test_engine_vllm_equals_transformers_engine_and_resumes(setup):
     resumed = setup["root"] / "resumed.jsonl"
     lines = setup["ref"].read_text().splitlines(keepends=True)
     Path(f"{resumed}.partial").write_text("".join(lines[:2]) + lines[2][:20])  # and a torn line
-    run = generate(setup["input"], resumed, "--engine", "vllm", env=setup["env"])
+    # vLLM's engine core in the runner's own process this time (its in-process mode; the first run spawned it)
+    run = generate(
+        setup["input"], resumed, "--engine", "vllm", env={**setup["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert resumed.read_text() == setup["ref"].read_text()
     assert json.loads(Path(f"{resumed}.report.json").read_text())["records_resumed"] == 2
@@ -119,7 +122,7 @@ def test_server_engine_equals_transformers_engine(setup):
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
     log = open(root / "server.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(python, root / "cache"))
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(python, vllm_cache()))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600

@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_distributed import SMALL as DIST_SMALL
-from test_distributed import _env, assert_same_losses, cli_command, losses, run
-from test_train import write_data
+from test_distributed import _env, assert_same_losses, cli_command, losses, run, single_process_run
 
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.features.codec import decode, encode
@@ -67,15 +66,13 @@ def eval_taus(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("offline") / "data.jsonl", n=16, chars=700)
+    return single_process_run(tmp_path_factory) / "data.jsonl"
 
 
 @pytest.fixture(scope="module")
-def online(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("online") / "run"
-    result = run(out, data, 1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def online(tmp_path_factory):
+    """The one-process online run of DIST_SMALL on ``data``: test_distributed.py's, made once a session."""
+    return single_process_run(tmp_path_factory) / "run"
 
 
 @pytest.fixture(scope="module")

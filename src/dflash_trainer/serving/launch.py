@@ -66,11 +66,19 @@ def run_vllm(
     *,
     python: Path | None = None,
     workdir: Path | None = None,
+    cache_root: Path | None = None,
+    in_process: bool = False,
     timeout: int = 3600,
 ) -> dict:
     """``{name: {"tokens", "drafts", "accepted", "seconds", "startup_seconds"} or {"error"}}``: vLLM's
     greedy token ids of ``prompts`` (at most ``max_tokens`` each) with each export as its DFlash drafter
-    (``None``: the target alone), one ``vllm.LLM`` per export in one process."""
+    (``None``: the target alone), one ``vllm.LLM`` per export in one process.
+
+    ``cache_root``: vLLM's cache (``VLLM_CACHE_ROOT``; default ``workdir/vllm-cache``), where it keeps
+    what it inspected of its model classes (keyed by its own source: a subprocess per architecture when
+    missing). ``in_process``: vLLM's engine core and worker in the runner's process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), none spawned per ``vllm.LLM``: the same outputs and
+    counters, for a check of many exports; its ``seconds`` are no throughput figure then."""
     python = python or vllm_python()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
@@ -82,13 +90,16 @@ def run_vllm(
             "output": str(tmp / "out.json"),
         }
         (tmp / "job.json").write_text(json.dumps(job))
-        cache = Path(workdir) / "vllm-cache" if workdir else None
+        cache = cache_root or (Path(workdir) / "vllm-cache" if workdir else None)
+        env = vllm_env(python, cache)
+        if in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         run = subprocess.run(
             [str(python), str(RUNNER), str(tmp / "job.json")],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=vllm_env(python, cache),
+            env=env,
             cwd=tmp,
         )
         if run.returncode != 0:

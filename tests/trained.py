@@ -1,0 +1,126 @@
+"""Drafters trained on the tiny target's own greedy continuations, built once per test session and
+shared by every test file and every pytest-xdist worker (``--dist loadfile`` runs files in separate
+workers, so a module fixture would be rebuilt in each).
+
+The cache lives in the session's ``DFLASH_TEST_TRAINED_CACHE`` (tests/conftest.py: made by the process
+that starts the session, inherited by its workers, removed when it exits), one folder per drafter keyed
+by its settings; a file lock makes one worker build it while the others wait, then all load it (as the
+external venvs of tests/external_venvs.py are built). The greedy continuations the drafters train on
+(the slowest step after training: 40 unbatched target ``generate`` calls) are one shared record set.
+
+The worker that trains a drafter returns the trained module itself; the others rebuild it from its
+raw ``state_dict`` (``torch.save`` of the trained module, not the checkpoint folder), so that a test
+comparing the checkpoint round trip (``save_drafter`` / ``load_drafter``) against ``trained["drafter"]``
+still compares two different paths.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from dflash_trainer.config import load_config
+from dflash_trainer.inference.speculative import target_greedy
+from dflash_trainer.tiny_target.corpus import load_split
+from dflash_trainer.training.checkpoint import save_drafter
+from dflash_trainer.training.setup import prepare
+from dflash_trainer.training.trainer import Trainer, build_drafter
+
+EOS = [0, 2]
+PROMPTS = 40  # held-out prompts: 8 kept for decoding, 32 for training
+NEW_TOKENS = 64  # greedy continuation per prompt
+
+
+def cache_root() -> Path:
+    root = Path(os.environ["DFLASH_TEST_TRAINED_CACHE"])  # tests/conftest.py
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def greedy_records() -> tuple[list[list[int]], list[dict]]:
+    """``(prompt ids, chat records)`` of the tiny target's greedy continuations of ``PROMPTS`` held-out
+    prompts (``NEW_TOKENS`` each), made once per session."""
+    path = cache_root() / f"greedy-{PROMPTS}x{NEW_TOKENS}.json"
+    if not path.is_file():
+        with FileLock(str(path) + ".lock"):
+            if not path.is_file():  # else made by another worker while this one waited
+                cfg = load_config(["tiny-demo"])
+                from dflash_trainer.model.loading import load_target
+
+                model, tok, _ = load_target(cfg.target)
+                records, prompts = [], []
+                for f in load_split("held_out", limit=PROMPTS):
+                    lines = f.text.splitlines(keepends=True)
+                    user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
+                    ids = tok.apply_chat_template(
+                        [{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True
+                    )
+                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+                    out, _ = target_greedy(model, ids, NEW_TOKENS, EOS)
+                    reply = tok.decode(out, skip_special_tokens=True)
+                    records.append(
+                        {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+                    )
+                    prompts.append(ids)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"prompts": prompts, "records": records}))
+                tmp.replace(path)
+    saved = json.loads(path.read_text())
+    return saved["prompts"], saved["records"]
+
+
+def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
+    """A drafter (``overrides``: more ``--set`` settings, e.g. a variant) trained for ``steps`` on the
+    tiny target's greedy continuations of 32 held-out prompts; 8 more prompts are kept for decoding.
+    Built once per session for each ``(overrides, steps)``; every caller gets fresh Python objects."""
+    key = hashlib.sha256(json.dumps([list(overrides), steps]).encode()).hexdigest()[:16]
+    root = cache_root() / f"drafter-{key}"
+    done, state = root / "done", root / "trained_state.pt"
+    prompts, records = greedy_records()
+    settings = lambda: load_config(  # noqa: E731
+        ["tiny-demo"],
+        [
+            f"data.train_files=[{root / 'data.jsonl'}]",
+            f"output_dir={root / 'run'}",
+            f"train.max_steps={steps}",
+            f"train.eval_every={steps}",
+            f"train.save_every={steps}",
+            "data.max_eval_rows=1",
+            "train.lr=3e-3",
+            *overrides,
+        ],
+    )
+    drafter = None
+    if not done.is_file():
+        with FileLock(str(root) + ".lock"):
+            if not done.is_file():  # else trained by another worker while this one waited
+                root.mkdir(parents=True, exist_ok=True)
+                (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[8:]))
+                cfg = settings()
+                target, tok, rows, eval_rows, _ = prepare(cfg)
+                trainer = Trainer(
+                    cfg, target, tok, rows, eval_rows, out_dir=root / "run", target_path="tiny", progress=False
+                )
+                trainer.fit()
+                save_drafter(trainer.drafter, root / "ckpt", target=target, target_path="tiny")
+                torch.save(trainer.drafter.state_dict(), state)
+                drafter = trainer.drafter
+                done.write_text("ok\n")
+    if drafter is None:
+        cfg = settings()
+        target, tok, _, eval_rows, _ = prepare(cfg)  # the prepared rows come from the session's data cache
+        drafter = build_drafter(cfg, target, tok)
+        drafter.load_state_dict(torch.load(state, weights_only=True))
+    return {
+        "target": target,
+        "drafter": drafter.eval(),
+        "prompts": prompts[:8],
+        "tok": tok,
+        "ckpt": root / "ckpt",
+        "records": records[:8],
+        "root": root,
+        "eval_rows": eval_rows,
+    }
