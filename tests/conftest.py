@@ -57,12 +57,10 @@ import pytest  # noqa: E402
 def _native_kernel_build(request, monkeypatch):
     marker = request.node.get_closest_marker("native_isa")
     if marker is None:
-        yield
         return
     from dflash_trainer.loss import native
 
     isa = marker.args[0]
     if native.load(isa) is None:
         pytest.skip(f"the native kernel's {isa} build could not be built here: {native.BUILD_ERROR}")
-    monkeypatch.setenv(native.ISA_ENV, isa)
-    yield
+    monkeypatch.setenv(native.ISA_ENV, isa)  # undone by monkeypatch after the test

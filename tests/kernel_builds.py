@@ -9,10 +9,6 @@ kernel in both builds."""
 import pytest
 
 BASELINE = pytest.mark.native_isa("baseline")
-NATIVE_BUILDS = pytest.mark.parametrize(
-    "build", ["native", pytest.param("baseline", marks=BASELINE, id="baseline")], ids=["native", "baseline"]
-)
+NATIVE_BUILDS = pytest.mark.parametrize("build", ["native", pytest.param("baseline", marks=BASELINE)])
 NATIVE_BASELINE = pytest.param("native", marks=BASELINE, id="native-baseline")
-COMPILED = pytest.mark.parametrize(
-    "compiled", [False, "native", NATIVE_BASELINE], ids=["eager", "native", "native-baseline"]
-)
+COMPILED = pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), "native", NATIVE_BASELINE])

@@ -23,8 +23,6 @@ The rules:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 _MANTISSA_BITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
@@ -77,21 +75,7 @@ def softmax_error(n: int, spread: float, dtype: torch.dtype = torch.float32) -> 
 
 def combined(*bounds):
     """Two fast results each within its bound of the same float64 reference differ by at most the sum."""
-    total = bounds[0]
-    for b in bounds[1:]:
-        total = total + b
-    return total
-
-
-def matmul_error(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Elementwise bound on ``|fl(a @ b) - a @ b|`` computed in ``dtype`` from inputs exact in it:
-    gamma(inner dim) |a| |b| (Higham eq. 3.13)."""
-    return gamma(a.shape[-1], dtype) * (a.double().abs() @ b.double().abs())
-
-
-def log_sum_exp_terms(n: int) -> float:
-    """log n: the largest entropy of a distribution over n outcomes, which bounds sums of p |log p|."""
-    return math.log(n)
+    return sum(bounds[1:], bounds[0])
 
 
 def transformed_logits(z_raw: torch.Tensor, logit_scale: float, softcap: float | None) -> torch.Tensor:
@@ -128,7 +112,7 @@ def epilogue_error(
     zmax = torch.stack([z.abs().amax(-1) for z in logits]).amax(0)  # [c]
     spread = torch.stack([z.amax(-1) - z.amin(-1) for z in logits]).amax(0) / t_min  # [c]
     transform = (3 * u + elementary_error()) * zmax * 2 / t_min
-    delta = u * spread + elementary_error() + gamma(vocab - 1, torch.float32) + u + transform + 4 * u  # [c]
+    delta = softmax_error(vocab, spread) + transform + 4 * u  # [c]
     m = (1 - kl_weight) + 2 * kl_weight * temperature + 3 * renyi_weight
     g_error = (coef.double().abs() * abs(logit_scale) * (m * delta + 4 * u * (m + 1)))[:, None]
 
@@ -204,8 +188,7 @@ def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, t
     zmax = torch.maximum(zs.abs().amax(-1), zt.abs().amax(-1))
     spread = torch.maximum(zs.amax(-1) - zs.amin(-1), zt.amax(-1) - zt.amin(-1)) / t_min
     transform = (3 * u + elementary_error()) * zmax * 2 / t_min
-    exp_sum = elementary_error() + gamma(vocab - 1, torch.float32) + u
-    delta = 2 * abs(logit_scale) * dz / t_min + u * spread + exp_sum + transform + 4 * u  # [N]
+    delta = 2 * abs(logit_scale) * dz / t_min + softmax_error(vocab, spread) + transform + 4 * u  # [N]
 
     y = zt.argmax(-1) if label_source == "teacher" else labels
     lse = torch.logsumexp(zs, -1)
