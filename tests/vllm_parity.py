@@ -131,10 +131,13 @@ def respecified(ckpt: Path, out: Path, **changes) -> Path:
     return save_drafter(other, out, target=target, target_path="tiny")
 
 
-def setting_checkpoints(root: Path, data: Path, steps: int, last_layer_steps: int) -> dict[str, Path]:
-    """One checkpoint per ``SETTINGS`` entry: the defaults trained ``steps`` steps, the window settings
-    on its weights, the last-layer drafter fine-tuned from it ``last_layer_steps`` steps."""
-    ckpts = {"defaults": train_drafter(root, data, "defaults", steps)}
+def setting_checkpoints(
+    root: Path, data: Path, steps: int, last_layer_steps: int, defaults: Path | None = None
+) -> dict[str, Path]:
+    """One checkpoint per ``SETTINGS`` entry: the defaults trained ``steps`` steps on ``data`` (or the
+    checkpoint ``defaults``, trained so), the window settings on its weights, the last-layer drafter
+    fine-tuned from it ``last_layer_steps`` steps."""
+    ckpts = {"defaults": defaults or train_drafter(root, data, "defaults", steps)}
     for name, (changes, _) in SETTINGS.items():
         if changes:
             ckpts[name] = respecified(ckpts["defaults"], root / f"ckpt-{name}", **changes)

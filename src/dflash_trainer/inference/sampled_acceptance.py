@@ -293,9 +293,11 @@ def measured_sampled_acceptance(
         modes = [("chain", 1), *(("ddtree", budget) for budget in budgets)]
         accepted = {m: [] for m in modes}
         for i, prompt in enumerate(prompts):
+            prefilled = decoder.prefill(prompt)  # one prefill for every mode
             for mode, budget in modes:
                 policy = SampledVerification(temperature, top_p, seed + i)
-                accepted[(mode, budget)] += decoder.generate(prompt, max_new_tokens, mode, budget, policy).accepted
+                result = decoder.generate(prompt, max_new_tokens, mode, budget, policy, prefilled)
+                accepted[(mode, budget)] += result.accepted
     finally:
         drafter.train(was_training)
     return {

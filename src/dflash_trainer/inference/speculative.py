@@ -24,6 +24,7 @@ Batch size 1. The full-vocabulary head runs on verified positions only, never on
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,17 @@ class DecodeResult:
     @property
     def tau(self) -> float:
         return sum(a + 1 for a in self.accepted) / max(1, len(self.accepted))
+
+
+@dataclass
+class Prefilled:
+    """A prompt run through the target once (``SpeculativeDecoder.prefill``): its target cache, the
+    target's logits after its last token ``[1, V]`` and the drafter's context keys/values."""
+
+    prompt_ids: list[int]
+    cache: TargetCache
+    logits: torch.Tensor
+    drafter_cache: list
 
 
 class SpeculativeDecoder:
@@ -104,25 +116,42 @@ class SpeculativeDecoder:
         return log_probs, drafts, tree_of
 
     @torch.no_grad()
-    def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", budget: int = 64, policy=None
-    ) -> DecodeResult:
-        """Decode ``prompt_ids``; ``policy`` (``inference.sampling``) picks the target's tokens:
-        greedy by default, ``SampledVerification(T, top_p, seed)`` for lossless speculative sampling."""
-        policy = policy or GreedyVerification()
-        if mode not in ("chain", "ddtree"):
-            raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
+    def prefill(self, prompt_ids: list[int]) -> Prefilled:
+        """The prompt's target forward and drafter context, once: ``generate(..., prefilled=)`` decodes
+        from copies of it, so that many samples of one prompt pay for its prefill once."""
         if not prompt_ids:
             raise ValueError("empty prompt")
-        if budget < 1:
-            raise ValueError(f"DDTree budget must be >= 1, got {budget}")
-        t0 = time.perf_counter()
         cache = TargetCache(self.model)
         logits, context = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache.cache, last_only=True)
         cache.commit(len(prompt_ids))
-        drafter_cache = self._extend_context(None, context, 0)
+        return Prefilled(list(prompt_ids), cache, logits[-1:], self._extend_context(None, context, 0))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        mode: str = "chain",
+        budget: int = 64,
+        policy=None,
+        prefilled: Prefilled | None = None,
+    ) -> DecodeResult:
+        """Decode ``prompt_ids``; ``policy`` (``inference.sampling``) picks the target's tokens:
+        greedy by default, ``SampledVerification(T, top_p, seed)`` for lossless speculative sampling.
+        ``prefilled``: ``prefill(prompt_ids)``, decoded from a copy (it stays reusable)."""
+        policy = policy or GreedyVerification()
+        if mode not in ("chain", "ddtree"):
+            raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
+        if budget < 1:
+            raise ValueError(f"DDTree budget must be >= 1, got {budget}")
+        if prefilled is not None and prefilled.prompt_ids != list(prompt_ids):
+            raise ValueError("prefilled holds another prompt than prompt_ids")
+        t0 = time.perf_counter()
+        start = self.prefill(prompt_ids) if prefilled is None else prefilled
+        cache = copy.deepcopy(start.cache) if prefilled is not None else start.cache
+        drafter_cache = start.drafter_cache  # never written in place: each round concatenates anew
         pos = len(prompt_ids)  # == tokens in the target's cache == the anchor's position
-        anchor = policy.rows(logits[-1:])(0, [])
+        anchor = policy.rows(start.logits)(0, [])
         result = DecodeResult(tokens=[anchor])
         while len(result.tokens) < max_new_tokens and anchor not in self.eos:
             log_probs, drafts, tree_of = self._draft(anchor, pos, drafter_cache)

@@ -289,6 +289,7 @@ class DSparkVariant(Variant):
         depth 1); the rnn head's state follows the node's path."""
         spec, head, w_head = drafter.spec, drafter.markov_head, drafter.lm_head_weight
         shift = self.label_shift(spec)
+        slot_logits = {}  # k -> hidden[k] @ W^T [V]: the same for every node at depth k, so computed once
 
         def step(k: int, prev: int, state):
             emb = head.markov_w1.weight[prev]
@@ -299,7 +300,9 @@ class DSparkVariant(Variant):
                 feat = torch.sigmoid(head.gate_proj(torch.cat([h, emb]))) * emb
             else:
                 feat, state = head._rnn_step(state, emb, h)
-            raw = hidden[k].to(w_head.dtype) @ w_head.T + (head.markov_w2.weight @ feat).to(w_head.dtype)
+            if k not in slot_logits:
+                slot_logits[k] = hidden[k].to(w_head.dtype) @ w_head.T
+            raw = slot_logits[k] + (head.markov_w2.weight @ feat).to(w_head.dtype)
             return torch.log_softmax(transform_logits(raw.float(), **spec.logit_options), dim=-1), state
 
         state = hidden.new_zeros(head.rank, dtype=head.markov_w1.weight.dtype)
