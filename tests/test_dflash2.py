@@ -286,11 +286,10 @@ def test_the_dflash2_loss_and_its_gradients_match_the_plain_objective(small_targ
 
 def test_training_step_matches_the_reference_loss(tmp_path):
     """One real step (tiny target, bf16 loss off: fp32) through draft_loss, fused against reference."""
-    from test_train import SMALL, write_data
+    from test_train import SMALL, fused_and_reference_in_float64, write_data
 
     from dflash_trainer.config import load_config
     from dflash_trainer.training.setup import prepare
-    from dflash_trainer.training.step import draft_loss, drafter_step, produce_row_features
     from dflash_trainer.training.trainer import Trainer
 
     data = write_data(tmp_path / "data.jsonl", n=4)
@@ -311,18 +310,11 @@ def test_training_step_matches_the_reference_loss(tmp_path):
     d = trainer.drafter
     for conv in (d.layers[0].attention_conv, d.layers[0].mlp_conv):  # away from the identity
         torch.nn.init.normal_(conv.kernel_projection.weight, std=0.05)
-    batch = drafter_step(d, produce_row_features(target, rows[0], 0, cfg), cfg, train=True)
     params = [
         d.fc.weight,
         d.layers[0].attention_conv.kernel_projection.weight,
         d.layers[0].mlp_conv.base_kernel,
         *d.candidate_selector.parameters(),
     ]
-    fused, metrics = draft_loss(d, batch, cfg)
-    g_fused = torch.autograd.grad(fused, params, retain_graph=True)
-    ref, _ = draft_loss(d, batch, cfg, reference=True)
-    g_ref = torch.autograd.grad(ref, params)
-    assert abs(fused.item() - ref.item()) < 1e-4
-    for a, r in zip(g_fused, g_ref):
-        assert torch.allclose(a, r, rtol=1e-3, atol=1e-6)
-    assert metrics["selector_ce"] > 0 and g_fused[-2].abs().max() > 0  # the successor codebook learns
+    _, _, metrics = fused_and_reference_in_float64(target, d, rows[0], cfg, params)
+    assert metrics["selector_ce"] > 0  # the successor codebook learns: its gradient is nonzero (checked there)

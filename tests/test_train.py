@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import tolerances
 import torch
 
 from dflash_trainer.config import load_config
@@ -95,18 +96,41 @@ def test_training_reduces_loss_and_writes_a_checkpoint(tmp_path):
     assert {"drafter.safetensors", "drafter_config.json", "trainer_state.pt", "run.yaml"} <= set(os.listdir(ckpt))
 
 
+def fused_and_reference_in_float64(target, drafter, row, cfg, params):
+    """One real step's loss and the gradients of ``params`` (parameters of ``drafter``), fused and
+    reference, with the target (its features, the frozen head the drafter shares) and the drafter in
+    float64, asserting that they agree within rounding: ``(fused loss, reference loss, metrics of the
+    fused loss)``.
+
+    Both paths compute the same network and loss on the same float64 inputs in another operation order
+    (chunked, fused epilogue vs the dense reference), so they differ by rounding alone:
+    ``tolerances.float64_forward_error`` of the drafter's layers (the loss as one more) with the widest
+    reduction (the vocabulary, or the rows, or 5 H), relative to the magnitudes compared. A wrong or
+    missing loss term moves them by 1e-3 relative or more."""
+    target.model.double()  # in place: the drafter's shared embedding and head follow
+    drafter = drafter.double()
+    feats = produce_row_features(target, row, 0, cfg)
+    batch = drafter_step(drafter, feats, cfg, train=True)
+    fused, metrics = draft_loss(drafter, batch, cfg)
+    g_fused = torch.autograd.grad(fused, params, retain_graph=True)
+    ref, _ = draft_loss(drafter, batch, cfg, reference=True)
+    g_ref = torch.autograd.grad(ref, params)
+    assert fused.dtype == ref.dtype == torch.float64
+    inner = max(drafter.lm_head_weight.shape[0], batch.labels.numel(), 5 * drafter.spec.hidden_size)
+    bound = tolerances.float64_forward_error(layers=drafter.spec.num_layers + 1, inner=inner)
+    assert abs(fused.item() - ref.item()) <= bound * abs(ref.item())
+    for a, r in zip(g_fused, g_ref):
+        assert r.abs().max() > 0
+        assert torch.allclose(a, r, atol=bound * r.abs().max().item(), rtol=0)
+    return fused, ref, metrics
+
+
 def test_fused_and_reference_losses_agree_on_a_real_step(tmp_path):
     data = write_data(tmp_path / "data.jsonl", n=8)
     cfg = config(tmp_path, data, "loss.kl_weight=0.15", "loss.cap_weight=0.1")
     target, tok, rows, eval_rows, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
-    batch = drafter_step(trainer.drafter, produce_row_features(target, rows[0], 0, cfg), cfg, train=True)
-    fused, _ = draft_loss(trainer.drafter, batch, cfg)
-    (g_fused,) = torch.autograd.grad(fused, trainer.drafter.fc.weight, retain_graph=True)
-    ref, _ = draft_loss(trainer.drafter, batch, cfg, reference=True)
-    (g_ref,) = torch.autograd.grad(ref, trainer.drafter.fc.weight)
-    assert abs(fused.item() - ref.item()) < 1e-4
-    assert torch.allclose(g_fused, g_ref, rtol=1e-3, atol=1e-6)
+    fused_and_reference_in_float64(target, trainer.drafter, rows[0], cfg, [trainer.drafter.fc.weight])
 
 
 def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
