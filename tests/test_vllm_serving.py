@@ -20,11 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from external_venvs import vllm_cache, vllm_python
 from trained import PROMPTS as TRAINED_PROMPTS
-from trained import train_on_greedy
+from trained import held_out_prompts, train_on_greedy
 from vllm_parity import (
     EOS,
     SETTINGS,
-    chat_records,
     export_all,
     our_decoding,
     run_vllm,
@@ -55,8 +54,7 @@ def parity(tmp_path_factory):
     # the session's shared default drafter (tests/trained.py: 150 steps on the target's greedy answers
     # to held-out prompts 8..39), decoded on the held-out prompts it did not train on: 0..7 and 40..
     trained = train_on_greedy()
-    total = TRAINED_PROMPTS + PROMPTS - len(trained["prompts"])
-    _, held_out = chat_records(total, 0, answer_from=total)  # prompt ids only
+    _, held_out = held_out_prompts(trained["tok"], TRAINED_PROMPTS + PROMPTS - len(trained["prompts"]))
     prompts = trained["prompts"] + held_out[TRAINED_PROMPTS:]
     assert len(prompts) == PROMPTS and held_out[: len(trained["prompts"])] == trained["prompts"]
     ckpts = setting_checkpoints(root, trained["root"] / "data.jsonl", 150, 60, defaults=trained["ckpt"])

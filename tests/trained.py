@@ -40,6 +40,19 @@ def cache_root() -> Path:
     return root
 
 
+def held_out_prompts(tok, limit: int) -> tuple[list[str], list[list[int]]]:
+    """``(user messages, prompt ids)`` asking to continue the first ``limit`` held-out modules (their
+    first 8 lines shown), the chat template applied with the generation prompt."""
+    users, prompts = [], []
+    for f in load_split("held_out", limit=limit):
+        lines = f.text.splitlines(keepends=True)
+        user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
+        ids = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True)
+        users.append(user)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return users, prompts
+
+
 def greedy_records() -> tuple[list[list[int]], list[dict]]:
     """``(prompt ids, chat records)`` of the tiny target's greedy continuations of ``PROMPTS`` held-out
     prompts (``NEW_TOKENS`` each), made once per session."""
@@ -52,13 +65,7 @@ def greedy_records() -> tuple[list[list[int]], list[dict]]:
 
                 model, tok, _ = load_target(cfg.target)
                 records, prompts = [], []
-                for f in load_split("held_out", limit=PROMPTS):
-                    lines = f.text.splitlines(keepends=True)
-                    user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
-                    ids = tok.apply_chat_template(
-                        [{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True
-                    )
-                    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+                for user, ids in zip(*held_out_prompts(tok, PROMPTS)):
                     out, _ = target_greedy(model, ids, NEW_TOKENS, EOS)
                     reply = tok.decode(out, skip_special_tokens=True)
                     records.append(

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from trained import held_out_prompts
 
 from dflash_trainer.config import load_config
 from dflash_trainer.export.formats import export_checkpoint
@@ -25,7 +26,6 @@ from dflash_trainer.model.target import TargetModel
 from dflash_trainer.serving.launch import run_vllm as serving_run
 from dflash_trainer.serving.launch import vllm_env, vllm_tau  # noqa: F401  (the tests' and benchmark's)
 from dflash_trainer.tiny_target import load_tiny_target, tiny_target_path
-from dflash_trainer.tiny_target.corpus import load_split
 from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer
@@ -51,13 +51,7 @@ def chat_records(limit: int, new_tokens: int, answer_from: int = 0) -> tuple[lis
     and their prompt token ids (the chat template applied with the generation prompt). Records before
     ``answer_from`` are held-out prompts only: their assistant turn is left empty (no generation)."""
     model, tok = load_tiny_target()
-    users, prompts = [], []
-    for f in load_split("held_out", limit=limit):
-        lines = f.text.splitlines(keepends=True)
-        user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
-        ids = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True)
-        users.append(user)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    users, prompts = held_out_prompts(tok, limit)
     answers = [[] for _ in prompts[:answer_from]] + greedy_batch(model, prompts[answer_from:], new_tokens)
     records = [
         {

@@ -147,8 +147,12 @@ class SpeculativeDecoder:
         if prefilled is not None and prefilled.prompt_ids != list(prompt_ids):
             raise ValueError("prefilled holds another prompt than prompt_ids")
         t0 = time.perf_counter()
-        start = self.prefill(prompt_ids) if prefilled is None else prefilled
-        cache = copy.deepcopy(start.cache) if prefilled is not None else start.cache
+        if prefilled is None:
+            start = self.prefill(prompt_ids)
+            cache = start.cache
+        else:
+            start = prefilled
+            cache = copy.deepcopy(prefilled.cache)  # the prefill stays as it was, for the next decode
         drafter_cache = start.drafter_cache  # never written in place: each round concatenates anew
         pos = len(prompt_ids)  # == tokens in the target's cache == the anchor's position
         anchor = policy.rows(start.logits)(0, [])
