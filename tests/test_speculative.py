@@ -10,7 +10,7 @@ import torch
 from trained import EOS, train_on_greedy
 
 from dflash_trainer.data.blocks import build_blocks
-from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
+from dflash_trainer.inference.speculative import SpeculativeDecoder
 from dflash_trainer.variants import block_span
 
 
@@ -25,8 +25,8 @@ def trained():
 def test_output_is_identical_to_target_greedy(trained, mode, budget):
     decoder = SpeculativeDecoder(trained["target"], trained["drafter"], EOS)
     accepted_any = 0
-    for ids in trained["prompts"]:
-        ref, _ = target_greedy(trained["target"].model, ids, 48, EOS)
+    for ids, greedy in zip(trained["prompts"], trained["greedy"]):
+        ref = greedy[:48]  # target_greedy(ids, 48): the first 48 tokens of the session's 64-token greedy
         res = decoder.generate(ids, 48, mode, budget=budget)
         assert res.tokens == ref
         accepted_any += sum(res.accepted)
@@ -147,8 +147,8 @@ def test_generate_chain_tau_agrees_with_eval_decode_tau(trained):
     target, drafter = trained["target"], trained["drafter"]
     decoder = SpeculativeDecoder(target, drafter, EOS)
     docs, rounds, total = [], 0, 0
-    for i, ids in enumerate(trained["prompts"]):
-        ref, _ = target_greedy(target.model, ids, 48, EOS)
+    for i, (ids, greedy) in enumerate(zip(trained["prompts"], trained["greedy"])):
+        ref = greedy[:48]  # target_greedy(ids, 48)
         res = decoder.generate(ids, 48, "chain")
         # the last round may run past the response; eval cannot place a block there, so compare the rest
         full = [(a, n) for a, n in zip(res.anchors, res.accepted) if a + drafter.spec.block_size <= len(ids) + len(ref)]
@@ -354,7 +354,7 @@ def sampled_runner(trained):
     # 16 tokens into a response, where the tiny target is sure enough that the likeliest continuations
     # hold a good part of the mass (at the start of a response it is nearly uniform at T = 1)
     first = trained["prompts"][0]
-    prompt = first + target_greedy(trained["target"].model, first, 16, EOS)[0]
+    prompt = first + trained["greedy"][0][:16]  # target_greedy(first, 16)
     prefilled = decoder.prefill(prompt)  # every sample decodes from a copy of one prefill
     cache = {}
 
@@ -448,31 +448,64 @@ def test_expected_acceptance_is_the_mean_of_measured_acceptance(trained, mode, b
     check_expected_acceptance(trained, mode, budget, temperature, top_p)
 
 
+# The expected-acceptance check's control: the expectations at 2T (a flatter target accepts less), on the
+# same rounds. Its z is the check's own z plus the shift s = (E_T - E_2T) / SE, and the two z's share the
+# sampling noise, so s = z_control - z is read off nearly noise-free. The check (|z| < 4, z ~ N(0, 1))
+# rejects the control's expectations with probability P(|N(0, 1) + s| > 4) >= CONTROL_POWER when
+# |s| >= 4 + Phi^-1(CONTROL_POWER) = 6.33. Measured here (2026-12-03) at 6 seeds: DDTree s = 9.4 (DFlash),
+# 12.6 (DSpark), 8.9 (DFlash2); the chain at T = 1 only s = 5.2 (667 rounds), so the chain check runs
+# 12 seeds (s grows as sqrt(rounds); measured at 1329 rounds: s = 8.0).
+CONTROL_POWER = 0.99
+CONTROL_SHIFT = 4 + 2.3263  # 4 + the standard normal's 0.99 quantile
+
+
 def check_expected_acceptance(trained, mode, budget, temperature, top_p):
     """At the very contexts real speculative sampling visited, eval's expected accepted count (exact
     target conditionals along the drafter's chain or tree) is the mean of the accepted count measured:
     mean(measured - expected) over the rounds is within 4 standard errors of 0. Expectations at the
-    wrong temperature are rejected by the same check, so it has the power to tell."""
-    from dflash_trainer.inference.sampled_acceptance import block_expectations
+    wrong temperature (2T) are rejected by the same check, with the power CONTROL_POWER states."""
+    from dflash_trainer.inference.sampled_acceptance import block_expectations_at
 
     target, drafter = trained["target"], trained["drafter"]
-    runs = _visited_rounds(trained, mode, budget, temperature, top_p, range(6))
-
-    def z_score(t):
-        diffs = []
-        for row, anchors, accepted in runs:
-            e = block_expectations(target, drafter, row, anchors, temperature=t, top_p=top_p, budgets=[budget])
+    runs = _visited_rounds(trained, mode, budget, temperature, top_p, range(12 if mode == "chain" else 6))
+    diffs = [[], []]  # measured - expected at T, and at 2T (one pass per run gives both)
+    for row, anchors, accepted in runs:
+        at = block_expectations_at(
+            target, drafter, row, anchors, temperatures=[temperature, 2 * temperature], top_p=top_p, budgets=[budget]
+        )
+        for d, e in zip(diffs, at):
             expected = e["chain"] if mode == "chain" else e["ddtree"][:, 0]
-            diffs += (torch.tensor(accepted, dtype=torch.float64) - expected).tolist()
-        d = torch.tensor(diffs)
-        return (d.mean() / (d.std() / len(diffs) ** 0.5)).item(), len(diffs)
+            d += (torch.tensor(accepted, dtype=torch.float64) - expected).tolist()
 
-    z, rounds = z_score(temperature)
-    control = z_score(temperature / 4)[0]
-    print(f"{rounds} rounds: z {z:.2f}; at T/4: z {control:.2f}")
+    def z_score(diffs):
+        d = torch.tensor(diffs)
+        return (d.mean() / (d.std() / len(diffs) ** 0.5)).item()
+
+    z, control, rounds = z_score(diffs[0]), z_score(diffs[1]), len(diffs[0])
+    print(f"{rounds} rounds: z {z:.2f}; at 2T: z {control:.2f} (shift {control - z:.2f}, needed {CONTROL_SHIFT:.2f})")
     assert rounds > 100
     assert abs(z) < 4, z
-    assert abs(control) > 4, control  # a peaked target accepts the drafts more often
+    assert abs(control) > 4, control  # the wrong expectations fail the check
+    assert abs(control - z) >= CONTROL_SHIFT, (control, z)  # and would fail it with CONTROL_POWER
+
+
+def test_expectations_at_several_temperatures_are_each_temperatures_own(trained):
+    """block_expectations_at shares one pass (drafts, trees, target logits) among temperatures: what it
+    gives for each T is block_expectations at that T alone, bit for bit, chain and tree."""
+    from dflash_trainer.data.packing import PackedRow
+    from dflash_trainer.inference.sampled_acceptance import block_expectations, block_expectations_at
+
+    ids = torch.tensor(trained["prompts"][0] + trained["prompts"][1])
+    row = PackedRow(ids, torch.arange(ids.numel()), torch.ones_like(ids))
+    anchors = torch.tensor([20, 40, 41, 70, 90])
+    target, drafter = trained["target"], trained["drafter"]
+    temperatures = [1.0, 0.3]
+    kw = {"top_p": 0.9, "budgets": [2, 8], "max_logit_elements": 3 * 8192 * 12}  # several passes per document
+    together = block_expectations_at(target, drafter, row, anchors, temperatures=temperatures, **kw)
+    for t, got in zip(temperatures, together):
+        alone = block_expectations(target, drafter, row, anchors, temperature=t, **kw)
+        assert got.keys() == alone.keys() and all(torch.equal(got[k], alone[k]) for k in alone), t
+    assert not torch.equal(together[0]["chain"], together[1]["chain"])  # the temperature really applies
 
 
 def test_expected_equals_greedy_acceptance_as_temperature_vanishes(trained):

@@ -53,9 +53,9 @@ def held_out_prompts(tok, limit: int) -> tuple[list[str], list[list[int]]]:
     return users, prompts
 
 
-def greedy_records() -> tuple[list[list[int]], list[dict]]:
-    """``(prompt ids, chat records)`` of the tiny target's greedy continuations of ``PROMPTS`` held-out
-    prompts (``NEW_TOKENS`` each), made once per session."""
+def greedy_records() -> tuple[list[list[int]], list[dict], list[list[int]]]:
+    """``(prompt ids, chat records, continuation ids)`` of the tiny target's greedy continuations of
+    ``PROMPTS`` held-out prompts (``NEW_TOKENS`` each, ``target_greedy``), made once per session."""
     path = cache_root() / f"greedy-{PROMPTS}x{NEW_TOKENS}.json"
     if not path.is_file():
         with FileLock(str(path) + ".lock"):
@@ -64,7 +64,7 @@ def greedy_records() -> tuple[list[list[int]], list[dict]]:
                 from dflash_trainer.model.loading import load_target
 
                 model, tok, _ = load_target(cfg.target)
-                records, prompts = [], []
+                records, prompts, greedy = [], [], []
                 for user, ids in zip(*held_out_prompts(tok, PROMPTS)):
                     out, _ = target_greedy(model, ids, NEW_TOKENS, EOS)
                     reply = tok.decode(out, skip_special_tokens=True)
@@ -72,21 +72,23 @@ def greedy_records() -> tuple[list[list[int]], list[dict]]:
                         {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
                     )
                     prompts.append(ids)
+                    greedy.append(out)
                 tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"prompts": prompts, "records": records}))
+                tmp.write_text(json.dumps({"prompts": prompts, "records": records, "greedy": greedy}))
                 tmp.replace(path)
     saved = json.loads(path.read_text())
-    return saved["prompts"], saved["records"]
+    return saved["prompts"], saved["records"], saved["greedy"]
 
 
 def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
     """A drafter (``overrides``: more ``--set`` settings, e.g. a variant) trained for ``steps`` on the
     tiny target's greedy continuations of 32 held-out prompts; 8 more prompts are kept for decoding.
-    Built once per session for each ``(overrides, steps)``; every caller gets fresh Python objects."""
+    Built once per session for each ``(overrides, steps)``; every caller gets fresh Python objects.
+    ``greedy``: the target's greedy continuation ids of the 8 kept prompts (``NEW_TOKENS``)."""
     key = hashlib.sha256(json.dumps([list(overrides), steps]).encode()).hexdigest()[:16]
     root = cache_root() / f"drafter-{key}"
     done, state = root / "done", root / "trained_state.pt"
-    prompts, records = greedy_records()
+    prompts, records, greedy = greedy_records()
     settings = lambda: load_config(  # noqa: E731
         ["tiny-demo"],
         [
@@ -128,6 +130,8 @@ def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
         "tok": tok,
         "ckpt": root / "ckpt",
         "records": records[:8],
+        # target_greedy of each kept prompt, NEW_TOKENS long: the greedy of fewer tokens is its prefix
+        "greedy": greedy[:8],
         "root": root,
         "eval_rows": eval_rows,
     }

@@ -6,8 +6,10 @@ tau, on both sides, is the mean number of tokens one target verification step em
 drafts plus the target's own next token. ``dflash-train speculate`` reports it that way
 (``SpeculativeDecoder``: sum of (accepted + 1) over rounds / rounds); vLLM counts accepted drafts per
 draft step (``vllm:spec_decode_num_accepted_tokens`` / ``vllm:spec_decode_num_drafts``), so its tau is
-``1 + accepted / drafts``. Both count every verification step of a request (the prefill's token is
-no step) with every draft the target accepted in it, before the output is cut at ``max_tokens``.
+``1 + accepted / drafts``. Both count the verification steps of a request (the prefill's token is
+no step) with every draft the target accepted in it, before the output is cut at ``max_tokens``; the
+tests read ours from one teacher-forced pass (``decode_path_tau``: speculate's rounds, round for round,
+without each prompt's last few), ``our_decoding`` decodes for real (the benchmark's figures).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import torch
 from trained import held_out_prompts
 
 from dflash_trainer.config import load_config
+from dflash_trainer.data.documents import Document
+from dflash_trainer.data.packing import pack_documents
 from dflash_trainer.export.formats import export_checkpoint
+from dflash_trainer.inference.acceptance import decode_path_acceptance
 from dflash_trainer.inference.speculative import SpeculativeDecoder
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.serving.launch import run_vllm as serving_run
@@ -172,6 +177,22 @@ def our_decoding(ckpt: Path, prompts: list[list[int]], max_tokens: int) -> dict:
             squares += sum((a + 1) ** 2 for a in res.accepted)
     tau = 1 + accepted / rounds
     return {"tokens": tokens, "rounds": rounds, "accepted": accepted, "tau": tau, "var": squares / rounds - tau**2}
+
+
+def decode_path_tau(ckpt: Path, prompts: list[list[int]], greedy: list[list[int]]) -> dict:
+    """``dflash-train speculate``'s chain tau for ``ckpt`` on ``prompts``, from one teacher-forced pass
+    over the target's greedy continuations ``greedy`` instead of a decode per prompt: eval's decode-path
+    walk (``inference.acceptance.decode_path_acceptance``), which visits speculate's rounds and counts
+    their accepted drafts exactly, round for round (test_speculative.py::
+    test_generate_chain_tau_agrees_with_eval_decode_tau), except each prompt's last rounds, whose block
+    would run past the response (about 4 of each prompt's ~85). ``{"tau", "rounds", "var"}``."""
+    model, _ = load_tiny_target()
+    meta = json.loads((ckpt / "drafter_config.json").read_text())
+    target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
+    drafter, _ = load_drafter(ckpt, target)
+    docs = [Document(p + g, [0] * len(p) + [1] * len(g), "greedy", i) for i, (p, g) in enumerate(zip(prompts, greedy))]
+    rows = pack_documents(docs, max(512, *(len(d.input_ids) for d in docs)), 0)  # no document split
+    return decode_path_acceptance(target, drafter.eval(), rows)
 
 
 def tau_rtol(ours: dict, z: float = 3.0) -> float:

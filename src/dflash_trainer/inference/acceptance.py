@@ -271,7 +271,8 @@ def decode_path_acceptance(
     valid anchor's teacher-forced acceptance is computed in the training layout, then each document
     is walked from its first loss position the way ``speculate --mode chain`` walks it:
     ``tau = mean(a + 1)`` over the visited anchors. On the target's own greedy responses this is the
-    tau that speculative decoding measures (tested against it).
+    tau that speculative decoding measures (tested against it). ``{"tau", "rounds", "var"}``: ``var``
+    is the variance of the tokens per round (a + 1) over the visited rounds.
     """
     span = drafter.spec.block_size + variant_of(drafter.spec).label_shift(drafter.spec)
     was_training = drafter.training
@@ -302,5 +303,6 @@ def decode_path_acceptance(
     finally:
         drafter.train(was_training)
     if not visited:
-        return {"tau": None, "rounds": 0}
-    return {"tau": sum(a + 1 for a in visited) / len(visited), "rounds": len(visited)}
+        return {"tau": None, "rounds": 0, "var": None}
+    tau = sum(a + 1 for a in visited) / len(visited)
+    return {"tau": tau, "rounds": len(visited), "var": sum((a + 1 - tau) ** 2 for a in visited) / len(visited)}

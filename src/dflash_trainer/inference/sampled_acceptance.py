@@ -68,6 +68,34 @@ def block_expectations(
         chain       [n]                E[accepted] of the chain = sum_k prod_{j<=k} slot_probs
         ddtree      [n, len(budgets)]  E[accepted] of the DDTree of each budget
     """
+    return block_expectations_at(
+        target,
+        drafter,
+        row,
+        anchors,
+        temperatures=[temperature],
+        top_p=top_p,
+        budgets=budgets,
+        attention_backend=attention_backend,
+        max_logit_elements=max_logit_elements,
+    )[0]
+
+
+@torch.no_grad()
+def block_expectations_at(
+    target,
+    drafter: DFlashDrafter,
+    row,
+    anchors: torch.Tensor,
+    *,
+    temperatures: Sequence[float],
+    top_p: float = 1.0,
+    budgets: Sequence[int] = (),
+    attention_backend: str = "dense",
+    max_logit_elements: int = MAX_LOGIT_ELEMENTS,
+) -> list[dict[str, torch.Tensor]]:
+    """``block_expectations`` at each of ``temperatures``, from one pass: the drafts, trees and target
+    logits do not depend on T, only the sampling distributions taken of the logits do."""
     b = block_span(drafter.spec)  # D = b - 1 drafts a block (DSpark's sample_from_anchor: B)
     budgets = list(budgets)
     max_budget = max(budgets, default=0)
@@ -86,7 +114,12 @@ def block_expectations(
                 depths += tree.depths
             blocks.append((tokens, parents, depths))
     # 2. the target's sampling probability of every node given its anchor's context and its ancestors
-    node_probs = _node_probabilities(target, row, anchors, blocks, temperature, top_p, max_logit_elements)
+    node_probs = _node_probabilities(target, row, anchors, blocks, temperatures, top_p, max_logit_elements)
+    return [_expectations(blocks, per_block, b, budgets) for per_block in node_probs]
+
+
+def _expectations(blocks, node_probs, b: int, budgets: list[int]) -> dict[str, torch.Tensor]:
+    """``block_expectations``' tensors from each block's node probabilities ``[nodes]``."""
     slot_probs, chain, ddtree = [], [], []
     for (_, parents, _), q in zip(blocks, node_probs):
         reach = []
@@ -104,8 +137,9 @@ def block_expectations(
     }
 
 
-def _node_probabilities(target, row, anchors, blocks, temperature, top_p, max_logit_elements) -> list[torch.Tensor]:
-    """For each block (anchor order): ``[nodes]`` float64 q_T(node token | context <= anchor, ancestors).
+def _node_probabilities(target, row, anchors, blocks, temperatures, top_p, max_logit_elements) -> list[list]:
+    """Per temperature T, for each block (anchor order): ``[nodes]`` float64 q_T(node token | context <=
+    anchor, ancestors).
 
     One target pass per document fills a KV cache and gives the anchors' own logits (the distribution
     of depth-1 nodes); then the nodes of several blocks go through the target together, each node
@@ -116,7 +150,7 @@ def _node_probabilities(target, row, anchors, blocks, temperature, top_p, max_lo
     ids, pos = row.input_ids.cpu(), row.position_ids.cpu()
     doc = doc_ids_from_positions(pos)
     vocab = target.vocab_size
-    out: list[torch.Tensor] = []
+    out: list[list[torch.Tensor]] = [[] for _ in temperatures]
     anchor_list = anchors.tolist()
     i = 0
     while i < len(anchor_list):
@@ -134,7 +168,7 @@ def _node_probabilities(target, row, anchors, blocks, temperature, top_p, max_lo
             logits_to_keep=local.to(dev),
             **{cache_kwarg: cache},
         )
-        anchor_probs = sampling_probs(first.logits[0], temperature, top_p)  # [m, V]
+        anchor_logits = first.logits[0]  # [m, V]: the depth-1 nodes' distribution
         length = end - start
         per_pass = max(1, max_logit_elements // vocab)
         k = 0
@@ -169,12 +203,14 @@ def _node_probabilities(target, row, anchors, blocks, temperature, top_p, max_lo
                 **{cache_kwarg: cache},
             ).logits[0]
             cache.crop(-size)  # drop the scored nodes: back to the document alone
-            probs = sampling_probs(logits, temperature, top_p)  # [size, V]: row n is the distribution after node n
-            for g, o in zip(group, offsets):
-                node_tokens, parents, _ = blocks[members[g]]
-                rows = torch.stack([anchor_probs[g] if p < 0 else probs[o + p] for p in parents])
-                picked = rows.gather(1, torch.tensor(node_tokens, device=rows.device)[:, None])[:, 0]
-                out.append(picked.double().cpu())
+            for t, per_block in zip(temperatures, out):
+                anchor_probs = sampling_probs(anchor_logits[group], t, top_p)  # [len(group), V]
+                probs = sampling_probs(logits, t, top_p)  # [size, V]: row n is the distribution after node n
+                for j, (g, o) in enumerate(zip(group, offsets)):
+                    node_tokens, parents, _ = blocks[members[g]]
+                    rows = torch.stack([anchor_probs[j] if p < 0 else probs[o + p] for p in parents])
+                    picked = rows.gather(1, torch.tensor(node_tokens, device=rows.device)[:, None])[:, 0]
+                    per_block.append(picked.double().cpu())
     return out
 
 

@@ -123,8 +123,11 @@ class SampledVerification:
         return 1.0 - float(torch.rand((), generator=self.generator, dtype=torch.float64))
 
     def rows(self, logits: torch.Tensor) -> Picker:
-        probs = sampling_probs(logits, self.temperature, self.top_p)
-        return lambda row, candidates: sample_from(probs[row], self.uniform())
+        # a row's distribution only when the walk reaches it: a verification pass's walk usually stops
+        # after a few of its rows (sampling_probs of one row equals that row of the batch, bit for bit)
+        return lambda row, candidates: sample_from(
+            sampling_probs(logits[row], self.temperature, self.top_p), self.uniform()
+        )
 
 
 def verification_policy(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
