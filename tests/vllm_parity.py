@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from trained import held_out_prompts
+from trained import greedy_batch, held_out_prompts
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.documents import Document
@@ -68,33 +68,6 @@ def chat_records(limit: int, new_tokens: int, answer_from: int = 0) -> tuple[lis
         for u, a in zip(users, answers)
     ]
     return records, prompts
-
-
-def greedy_batch(model, prompts: list[list[int]], new_tokens: int, batch: int = 32) -> list[list[int]]:
-    """The target's greedy continuations of ``prompts`` (cut after the first eos), ``batch`` prompts per
-    Hugging Face ``generate`` call, left-padded: training data, where an fp32 near-tie decided otherwise
-    than unbatched ``target_greedy`` would is of no consequence (the references stay unbatched)."""
-    out = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[EOS[0]] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        with torch.no_grad():
-            gen = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=EOS,
-                pad_token_id=EOS[0],
-                top_k=None,
-                top_p=None,
-            )
-        for row in gen[:, width:].tolist():
-            cut = next((j + 1 for j, t in enumerate(row) if t in EOS), len(row))
-            out.append(row[:cut])
-    return out
 
 
 def train_drafter(root: Path, data: Path, name: str, steps: int, overrides=(), init: Path | None = None) -> Path:
