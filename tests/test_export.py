@@ -1,5 +1,7 @@
 """Export for serving: zlab and speculators formats, round trips, refusals, and the check command."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
+from dflash_trainer.cli import main
 from dflash_trainer.commands.train import warn_unservable
 from dflash_trainer.config import DrafterConfig, RunConfig
 from dflash_trainer.errors import UserError
@@ -85,10 +88,24 @@ def bf16_rounded(drafter):
     return drafter
 
 
-def run_cli(*args):
+def run_process(*args):
+    """``dflash-train ARGS`` as its own process, as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True, timeout=300
     )
+
+
+def run_cli(*args):
+    """``dflash-train ARGS`` in this process: ``cli.main``, which the console script calls (``sys.exit(main())``;
+    the export itself runs as a process in test_export_round_trips_through_our_loader), with its exit
+    status and what it printed; no interpreter start and import of torch and transformers per check."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own usage errors
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_checkpoint_round_trip(setup):
@@ -101,7 +118,7 @@ def test_checkpoint_round_trip(setup):
 @pytest.mark.parametrize("fmt", ["zlab", "speculators"])
 def test_export_round_trips_through_our_loader(setup, fmt):
     out = setup["root"] / fmt
-    result = run_cli("export", "--format", fmt, str(setup["ckpt"]), str(out))
+    result = run_process("export", "--format", fmt, str(setup["ckpt"]), str(out))
     assert result.returncode == 0, result.stderr
     cfg = json.loads((out / "config.json").read_text())
     tiny = str(tiny_target_path().resolve())  # a folder the serving stack can load, never "tiny"
