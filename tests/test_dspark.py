@@ -3,12 +3,14 @@ training step against the plain reference, training end to end, the Markov walk 
 lossless greedy decoding."""
 
 import pytest
+import tolerances
 import torch
 from test_train import SMALL, fused_and_reference_in_float64, losses, write_data
 
 from dflash_trainer.config import load_config
 from dflash_trainer.inference.acceptance import acceptance_report
 from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
+from dflash_trainer.model.target import TargetModel
 from dflash_trainer.training.checkpoint import load_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.step import drafter_step, needs_teacher, produce_row_features
@@ -339,18 +341,30 @@ def test_accepted_per_budget_is_the_smaller_budgets_tree():
 def test_eval_reports_the_confidence_heads_calibration(small_run):
     """Eval's per-slot calibration: the confidence head's prediction along the walk beside the
     acceptance it is trained to predict, sum_v min(p_v, q_v), recomputed here for one block from the
-    decoding path (the drafter's cache and walk, the target's own forward pass)."""
+    decoding path (the drafter's cache and walk, the target's own forward pass).
+
+    Both paths run the networks in float64; the scorer and ``propose`` take the softmax of the logits in
+    float32, as eval does. Bounds: the confidence, float64 throughout, within ``float64_forward_error``
+    (two operation orders); the acceptance, sum_v min(p_v, q_v) with every p_v, q_v within relative eps
+    of its exact value on each side (eps: the fp32 rounding of a logit, u |z|, relative in its exp, plus
+    ``softmax_error`` over V; the exp of propose's log-softmax once more), so each side is within
+    sum_v eps (p_v + q_v) = 2 eps of the exact sum and the two within 4 eps (2.0e-3 here; measured
+    6e-8: worst cases are loose, a 1% error in either sum still exceeds it)."""
+    import copy
     from types import SimpleNamespace
 
     from dflash_trainer.inference.acceptance import teacher_forced_blocks
     from dflash_trainer.loss.logits import transform_logits
 
+    ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
     target = small_run["target"]
-    drafter = load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", target)[0]
+    drafter = load_drafter(ckpt, target)[0]
     report = acceptance_report(target, drafter, small_run["rows"][:2], budgets=[], max_blocks_per_row=8)
     c, d = report["confidence"], block_span(drafter.spec) - 1
     assert len(c["predicted"]) == len(c["measured"]) == d
     assert all(0 < x < 1 for x in c["predicted"] + c["measured"]) and c["abs_error"] >= 0
+    target = TargetModel(copy.deepcopy(target.model).double(), layer_ids=target.layer_ids)
+    drafter = load_drafter(ckpt, target)[0].double()
     ids = small_run["rows"][0].input_ids[:80]
     a = 30
     row = SimpleNamespace(input_ids=ids, position_ids=torch.arange(ids.numel()), loss_mask=torch.ones_like(ids))
@@ -362,9 +376,16 @@ def test_eval_reports_the_confidence_heads_calibration(small_run):
         logits = target.model(input_ids=ids[None, : a + d]).logits[0, a : a + d]
     p = torch.softmax(transform_logits(logits.float(), **drafter.spec.logit_options), -1)
     want = torch.minimum(p, log_q.exp()).sum(-1)
-    torch.testing.assert_close(scored.acceptance[0], want, atol=1e-4, rtol=0)
+    z = torch.cat([transform_logits(logits, **drafter.spec.logit_options), log_q.double()])
+    fp32 = torch.float32
+    eps = tolerances.unit_roundoff(fp32) * z.abs().max().item() + tolerances.softmax_error(
+        z.shape[-1], (z.max(-1).values[:, None] - z).max().item(), fp32
+    )
+    eps += tolerances.elementary_error(fp32)  # propose's q comes back through exp(log_softmax)
+    assert (scored.acceptance[0].double() - want.double()).abs().max().item() <= 4 * eps
     walk_conf = variant_of(drafter.spec).walk(drafter, hidden[None], ids[a : a + 1])[2][0]
-    torch.testing.assert_close(scored.confidence[0], walk_conf, atol=1e-4, rtol=0)
+    bound = tolerances.float64_forward_error(len(drafter.layers) + target.model.config.num_hidden_layers, z.shape[-1])
+    assert (scored.confidence[0] - walk_conf).abs().max().item() <= bound
 
 
 def test_eval_command_on_a_dspark_checkpoint(small_run, tmp_path, capsys):
