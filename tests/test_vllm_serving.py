@@ -6,9 +6,9 @@ Checked per export: vLLM's greedy output with speculation is the target's plain 
 vLLM's acceptance (``1 + accepted / drafts`` from its spec-decode counters) is ``dflash-train
 speculate``'s tau on the same prompts within the spread rounding flips allow (tests/vllm_parity.py
 defines all three; speculate's rounds are read from one teacher-forced pass over the target's greedy
-output, ``decode_path_tau``, tested equal round for round to real decoding). What vLLM serves differently from training (found here and in
-benchmarks/bench_vllm.py) is fixed in the export, refused at export, or listed in the README's serving
-table with its numbers.
+output, ``decode_path_tau``, tested equal round for round to real decoding). What vLLM serves
+differently from training (found here and in benchmarks/bench_vllm.py) is fixed in the export,
+refused at export, or listed in the README's serving table with its numbers.
 """
 
 import json

@@ -135,6 +135,7 @@ def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
         "train.lr=3e-3",
         *overrides,
     ]
+    cfg = load_config(["tiny-demo"], options)
     drafter = None
     if not done.is_file():
         with FileLock(str(root) + ".lock"):
@@ -150,13 +151,12 @@ def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
                     raise AssertionError(f"capture for the shared drafter {overrides} failed (see its output)")
                 if main(["train", *run, "--set", f"data.features={features}"]) != 0:
                     raise AssertionError(f"training the shared drafter {overrides} failed (see its output)")
-                target, tok, _, eval_rows, _ = prepare(load_config(["tiny-demo"], options))
+                target, tok, _, eval_rows, _ = prepare(cfg)
                 drafter, _ = load_drafter(root / "run" / "checkpoints" / f"step-{steps:07d}", target)
                 save_drafter(drafter, root / "ckpt", target=target, target_path="tiny")
                 torch.save(drafter.state_dict(), state)
                 done.write_text("ok\n")
     if drafter is None:
-        cfg = load_config(["tiny-demo"], options)
         target, tok, _, eval_rows, _ = prepare(cfg)  # the prepared rows come from the session's data cache
         drafter = build_drafter(cfg, target, tok)
         drafter.load_state_dict(torch.load(state, weights_only=True))

@@ -132,14 +132,19 @@ def export_all(root: Path, ckpts: dict[str, Path], allow_mismatch: bool = False)
     }
 
 
-def our_decoding(ckpt: Path, prompts: list[list[int]], max_tokens: int) -> dict:
-    """What ``dflash-train speculate`` measures for ``ckpt`` on ``prompts``: chain-decoded tokens and
-    the rounds and accepted drafts of every verification step."""
+def on_tiny_target(ckpt: Path) -> tuple[TargetModel, object]:
+    """``(the tiny target hooked at the checkpoint's layer ids, its drafter in eval mode)``."""
     model, _ = load_tiny_target()
     meta = json.loads((ckpt / "drafter_config.json").read_text())
     target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
-    drafter, _ = load_drafter(ckpt, target)
-    decoder = SpeculativeDecoder(target, drafter.eval(), EOS)
+    return target, load_drafter(ckpt, target)[0].eval()
+
+
+def our_decoding(ckpt: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+    """What ``dflash-train speculate`` measures for ``ckpt`` on ``prompts``: chain-decoded tokens and
+    the rounds and accepted drafts of every verification step."""
+    target, drafter = on_tiny_target(ckpt)
+    decoder = SpeculativeDecoder(target, drafter, EOS)
     tokens, rounds, accepted, squares = [], 0, 0, 0
     with torch.no_grad():
         for ids in prompts:
@@ -159,13 +164,10 @@ def decode_path_tau(ckpt: Path, prompts: list[list[int]], greedy: list[list[int]
     their accepted drafts exactly, round for round (test_speculative.py::
     test_generate_chain_tau_agrees_with_eval_decode_tau), except each prompt's last rounds, whose block
     would run past the response (about 4 of each prompt's ~85). ``{"tau", "rounds", "var"}``."""
-    model, _ = load_tiny_target()
-    meta = json.loads((ckpt / "drafter_config.json").read_text())
-    target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
-    drafter, _ = load_drafter(ckpt, target)
+    target, drafter = on_tiny_target(ckpt)
     docs = [Document(p + g, [0] * len(p) + [1] * len(g), "greedy", i) for i, (p, g) in enumerate(zip(prompts, greedy))]
     rows = pack_documents(docs, max(512, *(len(d.input_ids) for d in docs)), 0)  # no document split
-    return decode_path_acceptance(target, drafter.eval(), rows)
+    return decode_path_acceptance(target, drafter, rows)
 
 
 def tau_rtol(ours: dict, z: float = 3.0) -> float:
