@@ -160,10 +160,12 @@ def single(tmp_path_factory):
     return single_process_run(tmp_path_factory) / "run"
 
 
-def assert_same_losses(a: dict, b: dict, rel: float = 1e-6) -> None:
+def assert_same_losses(a: dict, b: dict, rel: float = 0.0) -> None:
+    """The same steps with the same losses: bit for bit where the two runs compute each step in the same
+    order (target ranks only move where the features are computed), within ``rel`` where they do not."""
     assert sorted(a) == sorted(b) and a
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=rel), (step, a[step], b[step])
+        assert b[step] == pytest.approx(a[step], rel=rel, abs=0), (step, a[step], b[step])
 
 
 def test_two_targets_one_drafter_equal_one_process(single, data, tmp_path):
@@ -186,7 +188,7 @@ def test_two_targets_two_data_parallel_drafters_equal_one_process(single, data, 
     result = run(out, data, 4, "topology.target_ranks=2", "topology.drafter_ranks=2", debug="INFO")
     assert result.returncode == 0, result.stderr[-3000:]
     # DDP averages gradients in another order than one process accumulates them: equal to 1e-6
-    assert_same_losses(losses(single), losses(out))
+    assert_same_losses(losses(single), losses(out), rel=1e-6)
 
 
 def test_killed_target_rank_is_named_then_resume_reproduces_losses(single, data, tmp_path):

@@ -2,7 +2,8 @@
 z-lab's own ``DFlashDraftModel`` (PyPI ``dflash``, also in the transformers-4 dialect of z-lab's
 published checkpoints) and by SpecForge's ``DFlashDraftModel`` (PyPI ``specforge``), each in its
 separate venv (``external_venvs``), load through ``load_export``
-and compute the block logits the writer's own model code computes (1e-4); ``eval``, ``speculate`` and
+and compute the block logits the writer's own model code computes (both in float64, within rounding:
+``test_export.float64_parity_bound``); ``eval``, ``speculate`` and
 ``export --check`` take them; what this project's drafter cannot represent is one line."""
 
 import json
@@ -15,7 +16,7 @@ import torch
 from external_runner import run_script
 from external_venvs import specforge_python, speculators_python, zlab_python
 from safetensors.torch import load_file, save_file
-from test_export import ANCHORS, block_logits
+from test_export import ANCHORS, block_logits, float64_parity_bound, float64_target
 
 from dflash_trainer.errors import UserError
 from dflash_trainer.export.formats import check_export, load_export
@@ -24,7 +25,6 @@ from dflash_trainer.tiny_target import load_tiny_target, tiny_target_path
 from dflash_trainer.tiny_target.corpus import load_split
 
 ZLAB_IDS = [1, 3, 5]  # z-lab ids of the tiny target's layers the drafters read; speculators' aux ids are +1
-PARITY_ATOL = 1e-4  # fp32 on both sides, the same weights: only summation order differs
 LAYER = {  # a small Qwen3 drafter of the tiny target's width (hidden 256, vocabulary 8,192)
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -73,15 +73,16 @@ def foreign(tmp_path_factory):
     root = tmp_path_factory.mktemp("foreign")
     text = load_split("held_out", limit=2)[1].text[:3000]
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][:160])
-    feats = TargetModel(model, layer_ids=ZLAB_IDS).features(ids, need_teacher=False).context
+    # the writers' code runs in the inputs' dtype: float64, as ours does in ``ours``
+    feats = TargetModel(model, layer_ids=ZLAB_IDS).features(ids, need_teacher=False).context.double()
     inputs = root / "inputs.safetensors"
     save_file(
         {
-            "features": feats.float().contiguous(),
+            "features": feats.contiguous(),
             "input_ids": ids,
             "anchors": torch.tensor(ANCHORS),
-            "embed": model.get_input_embeddings().weight.detach().float().contiguous(),
-            "head": model.get_output_embeddings().weight.detach().float().clone(),  # tied: its own copy
+            "embed": model.get_input_embeddings().weight.detach().double().contiguous(),
+            "head": model.get_output_embeddings().weight.detach().double().clone(),  # tied: its own copy
         },
         str(inputs),
     )
@@ -133,9 +134,19 @@ def foreign(tmp_path_factory):
     return {"model": model, "tok": tok, "root": root, "s": {"ids": ids, "feats": feats}}
 
 
-def ours(foreign, name):
-    target = TargetModel(foreign["model"], layer_ids=ZLAB_IDS)
-    return block_logits(load_export(foreign["root"] / name, target), foreign["s"])
+def ours(foreign, name, dtype=torch.float64):
+    """Our block logits of the folder ``name``, in float64 (the parity checks) or float32."""
+    if dtype == torch.float64:
+        target = float64_target(foreign["model"], ZLAB_IDS)
+    else:
+        target = TargetModel(foreign["model"], layer_ids=ZLAB_IDS)
+    s = {"ids": foreign["s"]["ids"], "feats": foreign["s"]["feats"].to(dtype)}
+    return block_logits(load_export(foreign["root"] / name, target, dtype), s)
+
+
+def parity_bound(foreign, name, logits):
+    spec = load_export(foreign["root"] / name, TargetModel(foreign["model"], layer_ids=ZLAB_IDS)).spec
+    return float64_parity_bound(spec, logits)
 
 
 def report(label, got, want):
@@ -149,7 +160,7 @@ def report(label, got, want):
 def test_speculators_save_pretrained_folder_computes_speculators_logits(foreign, name):
     want = result(foreign["root"] / f"{name}.out")
     assert isinstance(want, torch.Tensor), want
-    assert report(name, ours(foreign, name), want) <= PARITY_ATOL
+    assert report(name, ours(foreign, name), want) <= parity_bound(foreign, name, want)
 
 
 @pytest.mark.parametrize("name", ZLAB)
@@ -158,7 +169,7 @@ def test_zlab_folder_computes_zlab_logits(foreign, name):
     assert isinstance(want, torch.Tensor), want
     got = ours(foreign, name)[:, 1:]  # z-lab's code returns the draft slots 1..B-1
     assert got.shape == want.shape
-    assert report(name, got, want) <= PARITY_ATOL
+    assert report(name, got, want) <= parity_bound(foreign, name, want)
 
 
 def test_the_windows_and_rope_read_matter(foreign):

@@ -10,7 +10,8 @@ Each job names "class" (``module:Class``, the writer's DFlashDraftModel) and may
 own initialization, norms drawn around 1) and save it to "out"; and "inputs"/"output": load "out" with
 the class's ``from_pretrained`` and write ``logits`` [n, B-1, V] of the draft slots. INPUTS holds
 ``features`` [L, k*H] (the target's context features), ``input_ids`` [L], ``anchors`` [n], ``embed``
-[V, H] and ``head`` [V, H] (the target's tables). The block is embedded and its logits computed as the
+[V, H] and ``head`` [V, H] (the target's tables), all in the dtype the model runs in (float32, or
+float64 with float64_precision's raised precision). The block is embedded and its logits computed as the
 writer's decoding loop does (z-lab's ``dflash_generate``: ``compute_logits`` and
 ``input_embedding_scale``; SpecForge's ``spec_generate``: the target's head). A failure writes
 ``error`` (utf-8 bytes). Nothing from dflash_trainer is imported here.
@@ -20,6 +21,7 @@ import importlib
 import json
 import sys
 
+import float64_precision  # noqa: F401  (before the model is built)
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
@@ -42,11 +44,11 @@ def build(job):
 
 def block_logits(job):
     module, cls = writer(job)
-    model = cls.from_pretrained(job["out"], dtype=torch.float32).eval()
     inputs = load_file(job["inputs"])
-    feats, ids, embed = inputs["features"].float(), inputs["input_ids"].long(), inputs["embed"].float()
-    head = torch.nn.Linear(embed.shape[1], embed.shape[0], bias=False)
-    head.weight.data = inputs["head"].float()
+    feats, ids, embed = inputs["features"], inputs["input_ids"].long(), inputs["embed"]  # the dtype to run in
+    model = cls.from_pretrained(job["out"], dtype=feats.dtype).eval()
+    head = torch.nn.Linear(embed.shape[1], embed.shape[0], bias=False, dtype=feats.dtype)
+    head.weight.data = inputs["head"]
     # z-lab reads a field from dflash_config, then the top level; SpecForge has no embedding scale
     draft_value = getattr(module, "_draft_value", None)
     scale = float(draft_value(model.config, "input_embedding_scale", 1.0)) if draft_value else 1.0

@@ -27,7 +27,7 @@ class DFlashRMSNorm(nn.Module):
 
     def forward(self, x):
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # fp32 at least; float64 stays float64
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
