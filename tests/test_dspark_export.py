@@ -77,7 +77,8 @@ def setup(tmp_path_factory):
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][:160])
     feats = TargetModel(model).features(ids, need_teacher=False).context
     ckpts = {name: make_dspark_checkpoint(model, tok, root, name, **kw) for name, kw in SETTINGS.items()}
-    return {"model": model, "tok": tok, "root": root, "ids": ids, "feats": feats, "ckpts": ckpts}
+    target64 = float64_target(model)
+    return {"model": model, "tok": tok, "root": root, "ids": ids, "feats": feats, "ckpts": ckpts, "target64": target64}
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -96,7 +97,7 @@ def test_speculators_dspark_computes_our_logits_and_confidence(setup, name):
     )
     run_script(python, SCRIPT, out, root / f"in-{name}.safetensors", root / f"out-{name}.safetensors", cwd=root)
     theirs = load_file(str(root / f"out-{name}.safetensors"))
-    drafter = bf16_rounded(load_drafter(setup["ckpts"][name], float64_target(setup["model"]))[0]).double()
+    drafter = bf16_rounded(load_drafter(setup["ckpts"][name], setup["target64"])[0]).double()
     logits, conf, plain = our_block_logits(drafter, setup["ids"], setup["feats"].double(), anchors)
     slots = slice(0 if from_anchor else 1, None)  # speculators' anchor slot is not a draft without sample_from_anchor
     diff = (theirs["logits"][:, slots] - logits[:, slots]).abs().max().item()

@@ -131,22 +131,15 @@ def foreign(tmp_path_factory):
         job.update(inputs=str(inputs), output=f"{job['out']}.out")
     run_external(zlab_python(), "zlab_layout_drafter.py", zlab_jobs, root)
     run_external(specforge_python(), "zlab_layout_drafter.py", spec_jobs, root)
-    return {"model": model, "tok": tok, "root": root, "s": {"ids": ids, "feats": feats}}
+    target64 = float64_target(model, ZLAB_IDS)
+    return {"model": model, "tok": tok, "root": root, "target64": target64, "s": {"ids": ids, "feats": feats}}
 
 
-def ours(foreign, name, dtype=torch.float64):
-    """Our block logits of the folder ``name``, in float64 (the parity checks) or float32."""
-    if dtype == torch.float64:
-        target = float64_target(foreign["model"], ZLAB_IDS)
-    else:
-        target = TargetModel(foreign["model"], layer_ids=ZLAB_IDS)
-    s = {"ids": foreign["s"]["ids"], "feats": foreign["s"]["feats"].to(dtype)}
-    return block_logits(load_export(foreign["root"] / name, target, dtype), s)
-
-
-def parity_bound(foreign, name, logits):
-    spec = load_export(foreign["root"] / name, TargetModel(foreign["model"], layer_ids=ZLAB_IDS)).spec
-    return float64_parity_bound(spec, logits)
+def ours(foreign, name):
+    """``(our float64 block logits of the folder name, the bound its parity check allows)``."""
+    drafter = load_export(foreign["root"] / name, foreign["target64"], torch.float64)
+    logits = block_logits(drafter, foreign["s"])
+    return logits, float64_parity_bound(drafter.spec, logits)
 
 
 def report(label, got, want):
@@ -160,16 +153,18 @@ def report(label, got, want):
 def test_speculators_save_pretrained_folder_computes_speculators_logits(foreign, name):
     want = result(foreign["root"] / f"{name}.out")
     assert isinstance(want, torch.Tensor), want
-    assert report(name, ours(foreign, name), want) <= parity_bound(foreign, name, want)
+    got, bound = ours(foreign, name)
+    assert report(name, got, want) <= bound
 
 
 @pytest.mark.parametrize("name", ZLAB)
 def test_zlab_folder_computes_zlab_logits(foreign, name):
     want = result(foreign["root"] / f"{name}.out")
     assert isinstance(want, torch.Tensor), want
-    got = ours(foreign, name)[:, 1:]  # z-lab's code returns the draft slots 1..B-1
+    got, bound = ours(foreign, name)
+    got = got[:, 1:]  # z-lab's code returns the draft slots 1..B-1
     assert got.shape == want.shape
-    assert report(name, got, want) <= parity_bound(foreign, name, want)
+    assert report(name, got, want) <= bound
 
 
 def test_the_windows_and_rope_read_matter(foreign):
@@ -185,7 +180,7 @@ def test_the_windows_and_rope_read_matter(foreign):
     shutil.copytree(root / "spec-defaults", moved)
     cfg["transformer_layer_config"]["rope_parameters"]["rope_theta"] = 1e6
     (moved / "config.json").write_text(json.dumps(cfg))
-    assert report("theta 1e6", ours(foreign, "spec-theta-1e6"), result(root / "spec-defaults.out")) > 0.05
+    assert report("theta 1e6", ours(foreign, "spec-theta-1e6")[0], result(root / "spec-defaults.out")) > 0.05
 
 
 def edited(foreign, name, tmp_path, edit, weights=None):

@@ -36,9 +36,8 @@ def block_logits(export_dir: str, inputs: dict) -> torch.Tensor:
             features[None],
             ids[None],
             loss_mask,
-            torch.zeros(
-                1, length, hidden, dtype=features.dtype
-            ),  # the verifier's last hidden state: only for training targets
+            # the verifier's last hidden state: only for training targets
+            torch.zeros(1, length, hidden, dtype=features.dtype),
             torch.zeros(1, length, dtype=torch.long),  # one document
             torch.arange(length)[None],
             max_anchors=n,

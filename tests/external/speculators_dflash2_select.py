@@ -40,9 +40,8 @@ with torch.no_grad():
         features[None],
         ids[None],
         loss_mask,
-        torch.zeros(
-            1, length, hidden_size, dtype=features.dtype
-        ),  # the verifier's last hidden state: only for training targets
+        # the verifier's last hidden state: only for training targets
+        torch.zeros(1, length, hidden_size, dtype=features.dtype),
         torch.zeros(1, length, dtype=torch.long),  # one document
         torch.arange(length)[None],
         max_anchors=n,
