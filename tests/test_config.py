@@ -81,6 +81,13 @@ def test_cross_field_validation():
         load_config([], ["target.layer_ids=[1, 2]"])
     with pytest.raises(ConfigError, match="block_size 64 exceeds data.seq_len 32"):
         load_config([], ["data.seq_len=32", "drafter.block_size=64"])
+    dpace_and_dpard = ["loss.position_weights=dpace", "drafter.variant=dspark", "drafter.dspark.position_weights=dpard"]
+    with pytest.raises(ConfigError, match="both replace the slot weights by a block credit: choose one"):
+        load_config([], dpace_and_dpard)
+    with pytest.raises(ConfigError, match="position_weights"):
+        load_config([], ["loss.position_weights=dpard"])  # D-PARD is DSpark's setting, not the loss's
+    with pytest.raises(ConfigError, match="dpace_alpha"):
+        load_config([], ["loss.dpace_alpha=0"])
 
 
 @pytest.mark.parametrize("item", ["train.lr", "", "=3", "train..lr=1"])

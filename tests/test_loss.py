@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trainer.loss import (
     chunk_rows,
-    dpace_slot_weights,
     fused,
     fused_draft_loss,
     native,
@@ -376,9 +375,6 @@ def test_weights_schedules():
     w = slot_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1 and abs(w[8].item() - math.exp(-1.0)) < 1e-15
     assert torch.all(w[2:] < w[1:-1])
-    d = dpace_slot_weights(torch.tensor([1.0, 0.9, 0.5, 0.5]))
-    # survival 0.9, 0.45, 0.225; suffix sums 1.575, 0.675, 0.225; mean 0.825
-    assert torch.allclose(d, torch.tensor([0, 1.575, 0.675, 0.225], dtype=F64) / 0.825)
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         slot_weights(1, 4.0)
 

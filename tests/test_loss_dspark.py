@@ -1,5 +1,6 @@
 """DSpark's loss terms in the fused loss against the plain reference (float64): the Markov bias folded
-into the chunked head GEMM (gradients of the features and of W2), acceptance, Renyi-1/2, D-PARD."""
+into the chunked head GEMM (gradients of the features and of W2), acceptance, Renyi-1/2, D-PARD; and the
+terms every variant may use beside them: D-PACE's block credit and total variation (TV)."""
 
 import pytest
 import tolerances
@@ -46,6 +47,14 @@ CASES = {
         **dict(bias=True, renyi_weight=0.6, kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8),
         **dict(softcap=2.5, logit_scale=0.8, dpard=True),
     },
+    # D-PACE (no teacher needed) and TV, alone and with the other terms
+    "dpace": dict(dpace=True, dpace_alpha=0.5),
+    "dpace_kl_cap_softcap": dict(dpace=True, dpace_alpha=0.3, kl_weight=0.4, cap_weight=0.2, softcap=2.5),
+    "dpace_teacher_labels": dict(dpace=True, label_source="teacher", acceptance=True),
+    "tv": dict(tv_weight=0.8),
+    "tv_kl_tempered_cap": dict(tv_weight=0.5, kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8),
+    "tv_renyi_bias_dpard": dict(bias=True, tv_weight=0.6, renyi_weight=0.4, dpard=True, kl_weight=0.2),
+    "dpace_tv_bias": dict(bias=True, dpace=True, tv_weight=0.7, softcap=2.5, logit_scale=0.8),
 }
 
 
@@ -53,7 +62,7 @@ def _call(fn, case, hs, ht, w_head, labels, weights, e, w2, slots, blocks, **ext
     kw = {k: v for k, v in case.items() if k != "bias"}
     if case.get("bias"):
         kw.update(bias_rows=e, bias_weight=w2)
-    if case.get("dpard"):
+    if case.get("dpard") or case.get("dpace"):
         kw.update(block_ids=blocks)
     return fn(hs, ht, w_head, labels, weights, **kw, **extra)
 
@@ -82,6 +91,8 @@ def test_dspark_terms_match_reference_float64(name, compiled):
         assert abs(metrics["renyi"].item() - ref_metrics["renyi"].item()) < 1e-10
         assert metrics["per_slot"]["accept"].shape == (5,)
         assert 0.0 < metrics["accept"].item() < 1.0
+    if "tv" in ref_metrics:
+        assert abs(metrics["tv"].item() - ref_metrics["tv"].item()) < 1e-10
 
 
 def test_bias_changes_the_loss():
@@ -286,3 +297,50 @@ def assert_within_dspark_bounds(case, inputs, dtype, loss, m, grads, ref_loss, r
         bound = bound + tolerances.unit_roundoff(dtype) * want.abs() * (dtype != torch.float32)  # the own rounding
         assert ((got.double() - want).abs() <= bound).all(), (dtype, ((got.double() - want).abs() / bound).max().item())
     return term_error
+
+
+@pytest.mark.parametrize("name", ["dpace_tv_bias", "tv_renyi_bias_dpard"])
+def test_dpace_and_tv_in_float32_and_bf16(name):
+    """D-PACE's credit (here with the bias, so every gradient is checked) and TV through compile="auto"
+    (TV's gradient runs in the eager passes): fp32 and a bf16 head against the float64 reference within
+    ``tolerances.fused_loss_error``, which derives both terms' bounds."""
+    case = CASES[name]
+    inputs = make_inputs(n=60, h=32, v=3000, r=8, seed=2)
+    ref_loss, ref_m = _call(reference_draft_loss, case, *inputs)
+    ref_grads = torch.autograd.grad(ref_loss, [inputs[0], inputs[5], inputs[6]])
+    for dtype in (torch.float32, torch.bfloat16):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (inputs[0], inputs[5], inputs[6])]
+        hs, e, w2 = leaves
+        ht, w_head, labels, weights, slots, blocks = inputs[1].to(dtype), inputs[2].to(dtype), *inputs[3:5], *inputs[7:]
+        loss, m = _call(fused_draft_loss, case, hs, ht, w_head, labels, weights.to(dtype), e, w2, slots, blocks)
+        grads = torch.autograd.grad(loss, leaves)
+        term_error = assert_within_dspark_bounds(case, inputs, dtype, loss, m, grads, ref_loss, ref_m, ref_grads)
+        assert abs(m["tv"].item() - ref_m["tv"].item()) <= term_error, dtype
+
+
+def test_dpace_credit_moves_weight_to_the_slots_that_gate_acceptance():
+    """D-PACE's coefficient of a row is the credit W_t = sum_{k>=t} prod_{i<=k} s_i / n of its block,
+    s_i = alpha + (1 - alpha) p_i(y_i): a confident first slot passes credit on to the later ones, a
+    hopeless one cuts theirs. With an identity head (logit scale 3) each row's gradient is coef (p - e_y)
+    times 3, so the coefficients are read off the gradient and checked against the formula by hand."""
+    b, v, scale, alpha = 4, 8, 3.0, 0.5
+    w_head = torch.eye(v, dtype=F64) * scale
+    labels = torch.tensor([0, 1, 2, 3] * 2)
+    hs = torch.nn.functional.one_hot(labels, v).to(F64)  # p(y) = e^3 / (e^3 + 7) on every row
+    hs[5] = torch.nn.functional.one_hot(torch.tensor(7), v).to(F64)  # block 1, slot 1: p(y) = 1 / (e^3 + 7)
+    hs.requires_grad_()
+    weights = torch.tensor([0.0, 1, 1, 1] * 2, dtype=F64)
+    blocks = torch.arange(8) // b
+    loss, _ = fused_draft_loss(hs, None, w_head, labels, weights, dpace=True, dpace_alpha=alpha, block_ids=blocks)
+    (g,) = torch.autograd.grad(loss, [hs])
+    p_y = torch.softmax(hs.detach() @ w_head.T, -1).gather(1, labels[:, None]).squeeze(1)
+    coef = g.gather(1, labels[:, None]).squeeze(1) / (scale * (p_y - 1))
+    s_conf = alpha + (1 - alpha) * p_y
+    hi, lo = s_conf[1].item(), s_conf[5].item()
+    n = 6  # rows with loss
+    w1 = [hi + hi**2 + hi**3, hi**2 + hi**3, hi**3]
+    w2 = [lo + lo * hi + lo * hi**2, lo * hi + lo * hi**2, lo * hi**2]
+    assert torch.allclose(coef[1:4] * n, torch.tensor(w1, dtype=F64), rtol=1e-12)
+    assert torch.allclose(coef[5:8] * n, torch.tensor(w2, dtype=F64), rtol=1e-12)
+    assert coef[0] == 0 and coef[4] == 0
+    assert (coef[5:8] < coef[1:4]).all()  # the hopeless first slot cuts every later slot's credit

@@ -159,6 +159,8 @@ DSPARK_CASES = {
     "dpard_tempered_softcap": dict(
         bias=True, renyi_weight=0.5, dpard=True, kl_weight=0.3, temperature=1.7, softcap=2.5, logit_scale=0.8
     ),
+    # D-PACE's credit comes from each row's lse and z_y, scaled after the kernel like D-PARD's
+    "dpace_acceptance_softcap": dict(bias=True, dpace=True, acceptance=True, kl_weight=0.3, softcap=2.5),
 }
 
 

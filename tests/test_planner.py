@@ -120,6 +120,8 @@ def test_drafter_param_count_matches_the_real_drafter(layers, k, heads, kv, hd, 
         {"kl_weight": 0.5, "temperature": 2.0},
         {"kl_weight": 0.15, "cap_weight": 0.1},
         {"label_source": "teacher"},
+        {"tv_weight": 0.5},  # TV runs the eager passes even where a kernel is asked for
+        {"tv_weight": 0.5, "kl_weight": 0.3, "temperature": 2.0},
     ],
 )
 @pytest.mark.parametrize("kernel", [False, True], ids=["eager", "native"])
@@ -143,6 +145,7 @@ def test_loss_workspace_matches_the_fused_loss(terms, kernel):
         kl_weight=terms.get("kl_weight", 0.0),
         temperature=terms.get("temperature", 1.0),
         cap_weight=terms.get("cap_weight", 0.0),
+        tv_weight=terms.get("tv_weight", 0.0),
         labels="teacher" if "label_source" in terms else "data",
     )
     teacher = ht if w.need_teacher else None  # as loss_of passes it

@@ -124,9 +124,12 @@ def fused_and_reference_in_float64(target, drafter, row, cfg, params):
     return metrics
 
 
-def test_fused_and_reference_losses_agree_on_a_real_step(tmp_path):
+@pytest.mark.parametrize(
+    "recipe", [(), ("loss.position_weights=dpace",), ("loss.position_weights=dpace", "loss.tv_weight=0.4")]
+)
+def test_fused_and_reference_losses_agree_on_a_real_step(tmp_path, recipe):
     data = write_data(tmp_path / "data.jsonl", n=8)
-    cfg = config(tmp_path, data, "loss.kl_weight=0.15", "loss.cap_weight=0.1")
+    cfg = config(tmp_path, data, "loss.kl_weight=0.15", "loss.cap_weight=0.1", *recipe)
     target, tok, rows, eval_rows, _ = prepare(cfg)
     trainer = Trainer(cfg, target, tok, rows, eval_rows, out_dir=tmp_path / "run", target_path="tiny", progress=False)
     fused_and_reference_in_float64(target, trainer.drafter, rows[0], cfg, [trainer.drafter.fc.weight])

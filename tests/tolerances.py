@@ -134,7 +134,8 @@ def g_head_error(g_error: torch.Tensor, g64: torch.Tensor, head_dtype: torch.dty
 
 def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, temperature=1.0, cap_weight=0.0,
                      cap_temperature=1.0, logit_scale=1.0, softcap=None, label_source="data", renyi_weight=0.0,
-                     bias_rows=None, bias_weight=None, dpard=False, dpard_alpha=0.5, block_ids=None, **_):  # fmt: skip
+                     bias_rows=None, bias_weight=None, dpard=False, dpard_alpha=0.5, block_ids=None, dpace=False,
+                     dpace_alpha=0.5, tv_weight=0.0, **_):  # fmt: skip
     """Bounds for the fused draft loss computed from the float64 inputs rounded to ``dtype`` (fp32, or
     bf16 with fp32 logits), against the float64 reference on the float64 inputs: ``(loss_error,
     grad_error, term_error)``: the loss's absolute error, an elementwise ``[N, H]`` bound on the
@@ -166,6 +167,13 @@ def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, t
       a_i``, have each acceptance within 4 delta (a sum of min(p, q)), so each factor within
       ``4 delta / alpha`` relatively and a block's coefficients within ``B 4 delta_max / alpha +
       gamma_B`` (B factors, B sums); that relative error scales every term of the loss and of G.
+    - D-PACE's coefficients are the same credit of ``s_i = alpha + (1-alpha) p_i(y_i)``: each label
+      probability within delta_i relatively, so each factor within ``delta / alpha``, a block's
+      coefficients within ``B delta_max / alpha + gamma_2B``;
+    - TV ``1 - a_i`` is within 4 delta_i + u (a's bound, the subtraction); its gradient ``p_v (S - m_v)``,
+      ``m_v = [p_v < q_v]``, ``S = sum m_u p_u``, is within delta_i of ``p_v S + m_v p_v``, except where
+      p_v and q_v are within 2 delta of each other and the mask can flip: there the bound takes p_v
+      (the flipped mask) on element v and p_v S's change, ``p_v p_u``, on every element u of the row.
 
     Returns ``(loss_error, grad_error, term_error)``, with a bias ``(loss_error, (grad_error,
     e_error, w2_error), term_error)``."""
@@ -218,6 +226,18 @@ def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, t
                 credit[i] += torch.prod(s_acc[[j for j in same if j <= k]])
         coef = credit / len(ids)
         coef_rel = coef_rel + longest * 4 * delta[live].max() / dpard_alpha + gamma(longest, torch.float32)
+    if dpace:
+        s_conf = dpace_alpha + (1 - dpace_alpha) * torch.exp(-ce)
+        ids = live.nonzero().squeeze(1).tolist()
+        credit = torch.zeros_like(coef)
+        longest = 1
+        for i in ids:
+            same = [j for j in ids if block_ids[j] == block_ids[i]]
+            longest = max(longest, len(same))
+            for k in (j for j in same if j >= i):
+                credit[i] += torch.prod(s_conf[[j for j in same if j <= k]])
+        coef = credit / len(ids)
+        coef_rel = coef_rel + longest * delta[live].max() / dpace_alpha + gamma(2 * longest, torch.float32)
 
     parts = (1 - a) * (term(ce) + u * lse.abs()) + a * temp**2 * term(kl)
     rows_abs = (1 - a) * ce.abs() + a * temp**2 * kl.abs()
@@ -232,6 +252,14 @@ def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, t
         g_abs = g_abs + renyi_weight * (p + root / root.sum(-1, keepdim=True))
         renyi = -2 * root.sum(-1).log()
         loss_error = loss_error + renyi_weight * (coef * (term(renyi) + coef_rel * renyi.abs())).sum()
+    if tv_weight:
+        q1 = zt.softmax(-1)
+        tv = 1 - torch.minimum(p, q1).sum(-1)
+        loss_error = loss_error + tv_weight * (coef * (4 * delta + u + coef_rel * tv)).sum()
+        mp = torch.where(p < q1, p, torch.zeros_like(p))
+        near = (p - q1).abs() <= 2 * delta[:, None] * torch.maximum(p, q1)
+        flip = torch.where(near, p, torch.zeros_like(p))
+        g_abs = g_abs + tv_weight * (p * mp.sum(-1, keepdim=True) + mp + flip + p * flip.sum(-1, keepdim=True))
     g_abs = coef[:, None] * g_abs
     pc = log_pc.exp()
     cap = cap_weight / (n_c * tc) * pc * (log_pc.abs() + entropy[:, None] + 2)

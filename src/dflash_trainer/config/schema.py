@@ -156,9 +156,18 @@ class DataConfig(Section):
 
 
 class LossConfig(Section):
-    """L = sum_i w_i [(1-a) CE + a T^2 KL(q^T || p^T)] / sum_i w_i + lambda * CAP (DESIGN.md section 3)."""
+    """L = sum_i w_i [(1-a) CE + a T^2 KL(q^T || p^T) + tv TV(p, q)] / sum_i w_i + lambda * CAP (DESIGN.md section 3)."""
 
-    gamma: float = Field(7.0, gt=0.0, description="slot weights w_k = exp(-(k-1)/gamma)")
+    position_weights: Literal["exp_decay", "dpace"] = Field(
+        "exp_decay",
+        description="w_i of a block's slots: exp_decay (DFlash's exp(-(k-1)/gamma)) or dpace (D-PACE: the block "
+        "credit sum_{k>=t} prod_{i<=k} (alpha + (1-alpha) p_i(y_i)) of the student's detached label probabilities)",
+    )
+    gamma: float = Field(7.0, gt=0.0, description="slot weights w_k = exp(-(k-1)/gamma) (position_weights exp_decay)")
+    dpace_alpha: float = Field(0.5, gt=0.0, le=1.0, description="alpha of D-PACE's smoothed confidence")
+    tv_weight: float = Field(
+        0.0, ge=0.0, description="weight of the total variation 0.5 sum_v |p_v - q_v| between student and teacher"
+    )
     kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="a: share of soft KL blended with CE")
     temperature: float = Field(1.0, gt=0.0, description="T of the soft KL")
     cap_weight: float = Field(0.0, ge=0.0, description="lambda of the CAP confidence loss")
@@ -273,4 +282,14 @@ class RunConfig(Section):
     def _anchors_fit_row(self) -> RunConfig:
         if self.drafter.block_span > self.data.seq_len:
             raise ValueError(f"drafter.block_size {self.drafter.block_size} exceeds data.seq_len {self.data.seq_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_block_credit(self) -> RunConfig:
+        dpard = self.drafter.variant == "dspark" and self.drafter.dspark.position_weights == "dpard"
+        if dpard and self.loss.position_weights == "dpace":
+            raise ValueError(
+                "loss.position_weights=dpace and drafter.dspark.position_weights=dpard both replace the slot "
+                "weights by a block credit: choose one"
+            )
         return self

@@ -4,12 +4,11 @@ from .candidates import candidate_logits
 from .fused import chunk_rows, fused_draft_loss
 from .logits import transform_logits
 from .reference import reference_draft_loss
-from .weights import dpace_slot_weights, slot_weights
+from .weights import slot_weights
 
 __all__ = [
     "candidate_logits",
     "chunk_rows",
-    "dpace_slot_weights",
     "fused_draft_loss",
     "reference_draft_loss",
     "slot_weights",

@@ -92,11 +92,25 @@ class LossTerms:
     dpard_alpha: float = 0.5
     # DFlash2's candidates: each row's top_k largest transformed student logits and their ids (0: off)
     top_k: int = 0
+    # D-PACE position weights: the block credit of the student's detached label probability p(y)
+    dpace: bool = False
+    dpace_alpha: float = 0.5
+    # total variation 1 - sum_v min(p_v, q_v) between student and teacher at T = 1 (eager passes only)
+    tv_weight: float = 0.0
 
     @property
     def per_row_terms(self) -> bool:
         """Whether the chunk computes a and the Renyi term (student and teacher at T = 1)."""
-        return self.acceptance or self.renyi_weight > 0 or self.dpard
+        return self.acceptance or self.renyi_weight > 0 or self.dpard or self.tv_weight > 0
+
+    @property
+    def block_credit(self) -> bool:
+        """Whether the rows' coefficients are a block credit (D-PARD's or D-PACE's), not their weights."""
+        return self.dpard or self.dpace
+
+    @property
+    def credit_alpha(self) -> float:
+        return self.dpard_alpha if self.dpard else self.dpace_alpha
 
 
 @dataclass
@@ -212,24 +226,36 @@ def _eager_chunk(
     if zt is not None:
         m_t, t_arg = zt.max(-1)
     y = t_arg if t.label_source == "teacher" else y_data
+    z_y = zs.gather(1, y[:, None]).squeeze(1)
+    if t.dpace:  # D-PACE: the credit of the detached label probability, before any term's gradient uses coef
+        coef = credit(torch.exp(z_y - lse))
     renyi_g = None
     if t.per_row_terms:  # at T = 1, before the KL pass turns zt into q^T in place
         pt = torch.sub(zt, m_t[:, None], out=buffers["r"]).exp_()
         pt.mul_(pt.sum(-1).reciprocal()[:, None])  # teacher probabilities
         accept = torch.minimum(p, pt).sum(-1)  # a = sum_v min(p_v, q_v)
+        below = (p < pt) if (t.tv_weight > 0 and dh_rows is not None) else None  # TV's mask, bool [c, V]
         bc = pt.mul_(p).sqrt_().sum(-1)  # Bhattacharyya coefficient sum_v sqrt(p_v q_v)
-        if credit is not None:
+        if t.dpard:
             coef = credit(accept)
         extra.update(accept=accept, renyi=-2.0 * bc.log(), coef=coef)
         if t.renyi_weight > 0 and dh_rows is not None:
             # d(-2 log BC)/dz_v = p_v - sqrt(p_v q_v) / BC, weighted like the other terms
             renyi_g = pt.mul_(bc.reciprocal()[:, None]).neg_().add_(p).mul_((t.renyi_weight * coef)[:, None])
+        if below is not None:
+            # TV = 1 - a: d(1 - sum_u min(p_u, q_u))/dz_v = p_v (S - m_v), m_v = [p_v < q_v], S = sum_u m_u p_u.
+            # Built in the teacher buffer when Renyi does not hold it, else as one transient added to Renyi's.
+            mp = torch.mul(p, below, out=None if renyi_g is not None else pt)
+            below = None
+            scale, below_mass = t.tv_weight * coef, mp.sum(-1)  # [c]: the weight and S
+            mp.mul_((-scale)[:, None]).addcmul_(p, (scale * below_mass)[:, None])
+            renyi_g = renyi_g.add_(mp) if renyi_g is not None else mp
+            mp = None
         pt = None
     elif extra is not None:
         extra.update(coef=coef)
     if a == 0:
         zt = None  # the teacher logits were only needed for labels and agreement
-    z_y = zs.gather(1, y[:, None]).squeeze(1)
 
     # CAP statistic: entropy of softmax(z / Tc) (the mask `correct` carries no gradient).
     if tc == 1.0:
@@ -319,9 +345,11 @@ def _kernel_chunk(
         extra["topk"] = (top_logits, top_ids)
     if t.per_row_terms:
         *out, accept, renyi = out
-        if credit is not None:
+        if t.dpard:
             coef = credit(accept)
         extra.update(accept=accept, renyi=renyi)
+    if t.dpace:  # out[0], out[1]: the rows' lse and z_y, so p(y) = exp(z_y - lse)
+        coef = credit(torch.exp(out[1] - out[0]))
     if extra is not None:
         extra.update(coef=coef)
     if g is not None:
@@ -714,8 +742,8 @@ def _run_chunks(
             de_rows = de_chunk[:c] if de_chunk is not None else None
             bias = ChunkBias(bias_rows[rows], bias_weight, de_rows, dw2)
         credit = None
-        if t.dpard:
-            credit = _dpard_credit(block_ids[rows], t.dpard_alpha, inv_rows)
+        if t.block_credit:
+            credit = _block_credit(block_ids[rows], t.credit_alpha, inv_rows)
         extra = {}
         args = (hs[rows], ht_rows, weight, y_data, coef, t, {k: b[:c] for k, b in buffers.items()}, dh_rows)
         out = _kernel_chunk(compiled, *args, bias, credit, extra) if compiled is not None else None
@@ -739,6 +767,8 @@ def _run_chunks(
         renyi = extra.get("renyi")
         if t.renyi_weight > 0:
             row_loss = row_loss + t.renyi_weight * renyi
+        if t.tv_weight > 0:
+            row_loss = row_loss + t.tv_weight * (1.0 - extra["accept"])
         loss_main += (coef * row_loss).double().sum()
         accept = extra.get("accept")
         if accept_rows is not None:
@@ -825,18 +855,21 @@ def _chunk_bounds(n: int, chunk: int, block_ids: torch.Tensor | None) -> list[sl
     return out
 
 
-def _dpard_credit(block_ids: torch.Tensor, alpha: float, inv_rows: float):
-    """``accept [c] -> coef [c]``: the D-PARD credit of each row, detached, over whole blocks.
+def _block_credit(block_ids: torch.Tensor, alpha: float, inv_rows: float):
+    """``x [c] -> coef [c]``: the block credit of each row, detached, over whole blocks, from a per-row
+    confidence ``x`` in [0, 1]: the acceptance a (D-PARD) or the label probability p(y) (D-PACE).
 
-    ``s_i = alpha + (1 - alpha) a_i``; a row t of a block gets ``W_t = sum_{k >= t} prod_{i <= k} s_i``
-    (i, k over the block's rows with loss, in slot order), times ``inv_rows``."""
+    ``s_i = alpha + (1 - alpha) x_i``; a row t of a block gets ``W_t = sum_{k >= t} prod_{i <= k} s_i``
+    (i, k over the block's rows with loss, in slot order), times ``inv_rows``: the derivative of the
+    block's expected accepted length with respect to log s_t, so a slot earns the credit of every
+    later slot its acceptance gates."""
 
     new_block = torch.ones_like(block_ids, dtype=torch.bool)
     new_block[1:] = block_ids[1:] != block_ids[:-1]
     starts = new_block.nonzero().squeeze(1).tolist() + [block_ids.numel()]
 
-    def credit(accept: torch.Tensor) -> torch.Tensor:
-        s = alpha + (1.0 - alpha) * accept
+    def credit(x: torch.Tensor) -> torch.Tensor:
+        s = alpha + (1.0 - alpha) * x.detach()
         out = torch.empty_like(s)
         for lo, hi in zip(starts[:-1], starts[1:]):  # a chunk holds a few whole blocks
             out[lo:hi] = torch.cumprod(s[lo:hi], 0).flip(0).cumsum(0).flip(0)
@@ -881,6 +914,9 @@ def _loss_forward(
     dpard: bool = False,
     dpard_alpha: float = 0.5,
     top_k: int = 0,
+    dpace: bool = False,
+    dpace_alpha: float = 0.5,
+    tv_weight: float = 0.0,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
@@ -910,6 +946,9 @@ def _loss_forward(
         dpard,
         dpard_alpha,
         top_k,
+        dpace,
+        dpace_alpha,
+        tv_weight,
     )
     keep = (weights > 0).nonzero().squeeze(1)  # compaction: weight-0 rows cost nothing
     grad_rows = n if (want_grad and rank) else 0
@@ -924,6 +963,8 @@ def _loss_forward(
         return hs.new_zeros((), dtype=f), stats, dh, accept, de, dw2, top_ids, top_logits
     compile = {"true": True, "false": False}.get(policy, policy)
     kind = epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0], terms.per_row_terms)
+    if tv_weight > 0:  # the kernels have no TV gradient: its few extra passes run eager
+        kind = "eager"
     compiled = EPILOGUES[kind]
     loss, stats, dh, extras = _run_chunks(
         hs.index_select(0, keep),
@@ -941,7 +982,7 @@ def _loss_forward(
         n,
         bias_rows.index_select(0, keep) if rank else None,
         bias_weight if rank else None,
-        block_ids.index_select(0, keep) if (dpard and block_ids is not None) else None,
+        block_ids.index_select(0, keep) if (terms.block_credit and block_ids is not None) else None,
     )
     if dh is None:
         dh = torch.empty(0, hidden, dtype=f, device=hs.device)
@@ -959,6 +1000,7 @@ def _(hs, ht, weight, labels, weights, slot_ids, num_slots, *rest):
     """Shapes and dtypes only (meta and fake tensors: tracing, torch.compile, memory traces)."""
     want_grad, bias_rows = rest[9], (rest[10] if len(rest) > 10 else None)
     per_row = (len(rest) > 13 and rest[13] > 0) or (len(rest) > 14 and rest[14]) or (len(rest) > 15 and rest[15])
+    per_row = per_row or (len(rest) > 20 and rest[20] > 0)  # tv_weight
     f = torch.promote_types(hs.dtype, torch.float32)
     n, rank = hs.shape[0], (bias_rows.shape[1] if bias_rows is not None else 0)
     grad_rows = n if (want_grad and rank) else 0
@@ -1075,6 +1117,9 @@ def fused_draft_loss(
     dpard: bool = False,
     dpard_alpha: float = 0.5,
     top_k: int = 0,
+    dpace: bool = False,
+    dpace_alpha: float = 0.5,
+    tv_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict]:
     """The draft loss of ``student_hidden`` against ``teacher_hidden`` through the frozen head.
 
@@ -1107,6 +1152,17 @@ def fused_draft_loss(
       weights become the detached D-PARD credit ``W_t = sum_{k>=t} prod_{i<=k} s_i``,
       ``s_i = dpard_alpha + (1 - dpard_alpha) a_i`` over the block's rows with weight > 0, and the
       loss is ``sum_t W_t l_t / (rows with weight > 0)`` (speculators' normalization).
+
+    Position weights and terms for every variant:
+
+    - ``dpace`` (D-PACE, arXiv 2605.18810; needs ``block_ids`` like ``dpard``): the same block credit
+      with ``s_i = dpace_alpha + (1 - dpace_alpha) p_i(y_i)``, the student's detached probability of
+      the row's label, in place of the weights (which then only select the rows with loss); no teacher
+      needed. Computed from each row's logsumexp and label logit, so every kernel runs it.
+    - ``tv_weight``: adds ``tv_weight * (1 - a_i)``, the total variation between student and teacher
+      at T = 1 (``1 - sum_v min(p_v, q_v) = 0.5 sum_v |p_v - q_v|``), to each row's loss, weighted
+      like the other terms. Its gradient runs in the eager passes (one more bool and one fp32
+      ``[c, V]`` transient); needs the teacher.
 
     These per-row terms need the teacher. They are computed in the chunk's row pass with the other
     terms: in the native CPU kernel (the CPU's default), the Triton kernel (CUDA's) and the eager
@@ -1174,17 +1230,26 @@ def fused_draft_loss(
         "'auto', True, False, 'native', 'triton' or 'inductor'",
         repr(compile),
     )
-    per_row = acceptance or renyi_weight > 0 or dpard
+    per_row = acceptance or renyi_weight > 0 or dpard or tv_weight > 0
     _check("renyi_weight", renyi_weight >= 0, ">= 0", renyi_weight)
+    _check("tv_weight", tv_weight >= 0, ">= 0", tv_weight)
     _check("dpard_alpha", 0.0 < dpard_alpha <= 1.0, "in (0, 1]", dpard_alpha)
-    _check("teacher_hidden", not per_row or ht is not None, "given for acceptance, Renyi or D-PARD", None)
+    _check("dpace_alpha", 0.0 < dpace_alpha <= 1.0, "in (0, 1]", dpace_alpha)
+    _check("dpace", not (dpace and dpard), "off with dpard (both are a block credit: choose one)", dpace)
+    _check("teacher_hidden", not per_row or ht is not None, "given for acceptance, Renyi, D-PARD or TV", None)
     _check(
         "top_k",
         isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k <= vocab,
         f"an int in [0, {vocab}] (the vocabulary)",
         repr(top_k),
     )
-    _check("block_ids", not dpard or (block_ids is not None and block_ids.shape == (n,)), f"[{n}] with dpard", None)
+    credit = dpard or dpace
+    _check(
+        "block_ids",
+        not credit or (block_ids is not None and block_ids.shape == (n,)),
+        f"[{n}] with dpard or dpace",
+        None,
+    )
     if bias_rows is not None or bias_weight is not None:
         _check(
             "bias_rows", bias_rows is not None and bias_rows.dim() == 2 and bias_rows.shape[0] == n, f"[{n}, r]", None
@@ -1219,8 +1284,13 @@ def fused_draft_loss(
         dpard,
         dpard_alpha,
         top_k,
+        dpace,
+        dpace_alpha,
+        tv_weight,
     )
     metrics = _metrics(stats, ht is not None, slot_ids is not None, per_row)
+    if tv_weight > 0:
+        metrics["tv"] = 1.0 - metrics["accept"]
     if per_row:
         metrics["accept_rows"] = accept
     if top_k:

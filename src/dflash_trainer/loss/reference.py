@@ -8,7 +8,8 @@ benchmarks. Math (shared/DESIGN.md section 3), with z = logits after the target'
 
 DSpark (``fused_draft_loss``'s docstring): z_i += e_i W2^T (the Markov bias), a_i = sum_v min(p, q),
 the Renyi-1/2 term beta * (-2 log sum_v sqrt(p q)), and D-PARD credit weights W_t computed here with
-a plain loop over blocks.
+a plain loop over blocks; D-PACE the same credit of the student's label probability p(y_i); TV the
+total variation 0.5 sum_v |p - q| (the fused loss computes it as 1 - a_i).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def reference_draft_loss(
     dpard: bool = False,
     dpard_alpha: float = 0.5,
     top_k: int = 0,
+    dpace: bool = False,
+    dpace_alpha: float = 0.5,
+    tv_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns ``(loss, metrics)``; computed in float64 if the inputs are, else float32. With ``top_k``
     K > 0 the metrics hold ``topk_ids`` ``[N, K]`` and ``topk_logits`` ``[N, K]``: ``torch.topk`` of the
@@ -68,7 +72,7 @@ def reference_draft_loss(
         log_p = F.log_softmax(zs / temperature, -1)
         kl = (log_q.exp() * (log_q - log_p)).sum(-1)
         loss_rows = loss_rows + kl_weight * temperature**2 * kl
-    per_row = acceptance or renyi_weight > 0 or dpard
+    per_row = acceptance or renyi_weight > 0 or dpard or tv_weight > 0
     accept = None
     if per_row:
         p, q = F.softmax(zs, -1), F.softmax(zt, -1)
@@ -76,9 +80,14 @@ def reference_draft_loss(
         renyi = -2 * (p * q).sqrt().sum(-1).log()
         if renyi_weight > 0:
             loss_rows = loss_rows + renyi_weight * renyi
-    if dpard:
+        tv = 0.5 * (p - q).abs().sum(-1)  # total variation, as the definition writes it
+        if tv_weight > 0:
+            loss_rows = loss_rows + tv_weight * tv
+    if dpard or dpace:
         ids = block_ids[keep].tolist()
-        credit = torch.zeros_like(accept)
+        alpha = dpard_alpha if dpard else dpace_alpha
+        conf = accept if dpard else torch.exp(-ce).detach()  # D-PACE: the student's p(y)
+        credit = torch.zeros_like(ce)
         for i in range(len(ids)):  # W_t = sum over later rows k of its block of prod_{i <= k} s_i
             for k in range(i, len(ids)):
                 if ids[k] != ids[i]:
@@ -86,7 +95,7 @@ def reference_draft_loss(
                 prod = 1.0
                 for j in range(k + 1):
                     if ids[j] == ids[i]:
-                        prod = prod * (dpard_alpha + (1 - dpard_alpha) * accept[j])
+                        prod = prod * (alpha + (1 - alpha) * conf[j])
                 credit[i] += prod
         loss = (credit * loss_rows).sum() / len(ids)
     else:
@@ -108,6 +117,8 @@ def reference_draft_loss(
     if per_row:
         metrics["accept"] = accept.mean()
         metrics["renyi"] = renyi.mean().detach()
+        if tv_weight > 0:
+            metrics["tv"] = tv.mean().detach()
         rows = torch.zeros(weights.shape[0], dtype=f, device=weights.device)
         rows[keep] = accept
         metrics["accept_rows"] = rows

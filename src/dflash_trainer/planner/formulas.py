@@ -39,6 +39,7 @@ class Workload:
     target_dtype: str = "bfloat16"
     noise: bool = False
     kl_weight: float = 0.0
+    tv_weight: float = 0.0  # total variation: a per-row term of the eager passes, reads the teacher
     temperature: float = 1.0
     cap_weight: float = 0.0
     cap_temperature: float = 1.0
@@ -84,7 +85,7 @@ class Workload:
     @property
     def need_teacher(self) -> bool:
         """Mirrors ``row_forward``: teacher hidden states are needed for KL, teacher labels or the variant."""
-        return self.kl_weight > 0 or self.labels == "teacher" or self.variant_teacher
+        return self.kl_weight > 0 or self.labels == "teacher" or self.variant_teacher or self.tv_weight > 0
 
     @property
     def t(self) -> int:
@@ -546,6 +547,7 @@ def loss_workspace(
     those transients."""
     n = w.loss_rows
     f, t = 4, w.t
+    kernel = kernel and w.tv_weight == 0  # TV's gradient runs in the eager passes (loss.fused)
     c = max(1, min(chunk, n))
     cv = c * vocab
     cap = 0
@@ -563,7 +565,8 @@ def loss_workspace(
     if kernel:
         buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0) + dh_chunk
         return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap, **bias}
-    buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0) + (1 if w.per_row_terms else 0)
+    per_row = w.per_row_terms or w.tv_weight > 0
+    buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0) + (1 if per_row else 0)
     gemm = cv * t if t != f else 0
     vecdot = cv * f
     temp = 0
@@ -574,7 +577,8 @@ def loss_workspace(
     grad_copy = cv * t if t != f else 0
     if w.bias_rank and t != f:
         gemm *= 2  # the bf16 GEMM output and the bias term added to it before the fp32 copy
-    transient = max(gemm, vecdot, temp, grad_copy, cap)
+    tv = cv * (f + 1) if w.tv_weight > 0 else 0  # TV's bool mask and its gradient beside Renyi's
+    transient = max(gemm, vecdot, temp, grad_copy, cap, tv)
     return {"dh": dh, "chunk buffers": buffers * cv * f + dh_chunk, "chunk transient": transient, **bias}
 
 

@@ -432,6 +432,8 @@ def loss_kernel(w: F.Workload, topo: Topology, vocab: int) -> bool:
     dtype; else the eager passes' fp32 buffers. DSpark's per-row terms run in the native and Triton
     kernels and give way to the eager passes where inductor's would run (``loss.fused.PER_ROW_KINDS``)."""
     head_dtype = getattr(torch, w.target_dtype)
+    if w.tv_weight > 0:  # TV's gradient runs in the eager passes (loss.fused)
+        return False
     return planned_epilogue("auto", topo.device, head_dtype, w.loss_rows * vocab, w.per_row_terms) != "eager"
 
 

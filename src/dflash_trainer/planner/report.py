@@ -40,6 +40,7 @@ def workload_from_config(cfg) -> F.Workload:
         target_dtype=cfg.target.dtype,
         noise=d.noise != "none" and d.noise_scale > 0,
         kl_weight=lo.kl_weight,
+        tv_weight=lo.tv_weight,
         temperature=lo.temperature,
         cap_weight=lo.cap_weight,
         cap_temperature=lo.cap_temperature,
@@ -47,7 +48,10 @@ def workload_from_config(cfg) -> F.Workload:
         chunk_size=lo.chunk_size,
         grad_accum=tr.grad_accum,
         activation_checkpointing=d.activation_checkpointing,
-        need_teacher_layers=lo.kl_weight > 0 or lo.labels == "teacher" or variant_terms["variant_teacher"],
+        need_teacher_layers=lo.kl_weight > 0
+        or lo.labels == "teacher"
+        or lo.tv_weight > 0
+        or variant_terms["variant_teacher"],
         **variant_terms,
     )
 
@@ -251,6 +255,8 @@ def _terms(w: F.Workload) -> str:
     parts = ["CE" if w.kl_weight < 1 else ""]
     if w.kl_weight > 0:
         parts.append(f"{w.kl_weight:.0%} KL")
+    if w.tv_weight > 0:
+        parts.append("TV")
     if w.cap_weight > 0:
         parts.append("CAP")
     return " + ".join(p for p in parts if p)

@@ -41,7 +41,7 @@ def phase(name: str) -> record_function:
 def needs_teacher(cfg: RunConfig) -> bool:
     """The loss reads the teacher's hidden states (soft KL, teacher-argmax labels, or a term of the
     drafter variant's that needs them)."""
-    if cfg.loss.kl_weight > 0 or cfg.loss.labels == "teacher":
+    if cfg.loss.kl_weight > 0 or cfg.loss.labels == "teacher" or cfg.loss.tv_weight > 0:
         return True
     return variant_of(cfg.drafter.variant).needs_teacher(cfg.drafter.variant_settings.model_dump())
 
@@ -158,8 +158,13 @@ def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, refe
         cap_weight=cfg.loss.cap_weight,
         cap_temperature=cfg.loss.cap_temperature,
         label_source=cfg.loss.labels,
+        tv_weight=cfg.loss.tv_weight,
         **drafter.spec.logit_options,
     )
+    if cfg.loss.position_weights == "dpace":  # the block credit replaces the slot weights (which keep the rows)
+        rows = batch.hidden.shape[0]
+        block_ids = torch.arange(rows, device=batch.hidden.device) // drafter.spec.block_size
+        terms.update(dpace=True, dpace_alpha=cfg.loss.dpace_alpha, block_ids=block_ids)
     with phase("loss"):
         return variant_of(drafter.spec).loss(
             drafter,

@@ -209,7 +209,7 @@ class DSparkVariant(Variant):
             acceptance=conf is not None,
             dpard=dpard,
             dpard_alpha=o["dpard_alpha"],
-            block_ids=torch.arange(hidden.shape[0], device=hidden.device) // b if dpard else None,
+            **({"block_ids": torch.arange(hidden.shape[0], device=hidden.device) // b} if dpard else {}),
         )
         if conf is not None:
             # BCE against the measured acceptance, detached, on the fixed slot weights (as speculators:
