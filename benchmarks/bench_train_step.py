@@ -140,11 +140,11 @@ def main() -> None:
         def step(rep: int, dtype: str, reference: bool = False):
             c = cfgs[dtype]
             row = rows[rep % len(rows)]
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.zero_grad()
             batch = drafter_step(trainer.drafter, produce_row_features(target, row, rep, c), c, train=True)
             loss, _ = draft_loss(trainer.drafter, batch, c, reference=reference)
             loss.backward()
-            trainer.optimizer.step()
+            trainer.optimizer_step()
 
         floors = {}
         for dtype in cfgs:  # the products one step executes (row 0; every row has the same padded shapes)
@@ -261,13 +261,13 @@ def compare_variants(args, data: Path, tmp: Path) -> None:
     def step(variant: str, rep: int):
         trainer, rows = trainers[variant]
         c = cfgs[variant]
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.zero_grad()
         batch = drafter_step(
             trainer.drafter, produce_row_features(trainer.target, rows[rep % len(rows)], rep, c), c, train=True
         )
         loss, _ = draft_loss(trainer.drafter, batch, c)
         loss.backward()
-        trainer.optimizer.step()
+        trainer.optimizer_step()
 
     times = {v: [] for v in args.variants}
     for rep in range(args.reps):

@@ -699,7 +699,7 @@ def section_step(ctx: Context) -> dict:
         measured["max_memory_allocated_timed_steps"] = torch.cuda.max_memory_allocated(dev)
         ctx.log("  step: one step with torch.cuda.max_memory_allocated per phase")
         try:
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.zero_grad()
             free_memory(dev)
             with cuda_phase_peaks(dev, {}) as peaks:
                 trainer.train_step()
@@ -709,7 +709,7 @@ def section_step(ctx: Context) -> dict:
             measured["cuda_phases_error"] = first_line(exc)
 
     ctx.log("  step: profiled step (allocator events per phase)")
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.zero_grad()
     free_memory(dev)
     start = allocated_now(dev)
     if dev.type == "cuda":

@@ -176,7 +176,7 @@ def run_case(case: Case) -> dict:
         )
         for _ in range(case.warmup_steps):  # AdamW's states exist from the first step on
             trainer.train_step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.zero_grad()
         start = live_tensor_bytes()
         out, extra, phases = allocator_peak(trainer.train_step)
         result["accuracy"] = out["accuracy"] if out else None

@@ -275,7 +275,7 @@ def test_bf16_autocast_training_keeps_fp32_master_weights_and_tracks_fp32(tmp_pa
         last = trainer.train_step()["loss"]
     assert last < first - 0.3, (first, last)
     assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters() if p.requires_grad)
-    states = [s for st in trainer.optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()]
+    states = [s for st in trainer.optimizers.state() for s in st.values() if torch.is_tensor(s) and s.dim()]
     assert states and all(s.dtype == torch.float32 for s in states)
 
 

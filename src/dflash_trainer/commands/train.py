@@ -18,6 +18,7 @@ from ..planner.preflight import preflight
 from ..training import distributed
 from ..training.checkpoint import read_counters
 from ..training.distributed import check_launch, launched_world
+from ..training.optim import resolve_epochs
 from ..training.setup import prepare
 from ..training.trainer import RowStream, Trainer
 
@@ -39,6 +40,7 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     write_resolved_config(cfg, out)
     warn_unservable(cfg)
     target, tokenizer, train_rows, eval_rows, report = prepare(cfg)
+    cfg = resolve_epochs(cfg, len(train_rows))
     _print_data(cfg, report, train_rows, eval_rows)
     trainer = Trainer(
         cfg, target, tokenizer, train_rows, eval_rows, out_dir=out, target_path=cfg.target.path, progress=progress
@@ -53,7 +55,12 @@ def _print_data(cfg: RunConfig, report, train_rows, eval_rows) -> None:
     print(
         f"data: {report.n_documents} documents ({report.n_tokens:,} tokens, {report.n_loss_tokens:,} with loss); "
         f"bad records skipped: {skipped} (report: {out / 'data_report.json'}); {len(train_rows)} training rows and "
-        f"{len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens",
+        f"{len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens"
+        + (
+            f"; train.epochs {cfg.train.epochs:g} = {cfg.train.max_steps:,} steps of {cfg.train.grad_accum} rows"
+            if cfg.train.epochs
+            else ""
+        ),
         flush=True,
     )
 
@@ -85,6 +92,7 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
             cfg, keep="body" if layout.is_target else "head", share=distributed.on_rank0(cfg.data.prepare_timeout_s)
         )
         target.model.to(device)
+        cfg = resolve_epochs(cfg, len(train_rows))  # every rank derives the same max_steps
         if writer:
             _print_data(cfg, report, train_rows, eval_rows)
         start = _agreed_start(cfg, resume, overwrite, train_rows, eval_rows, writer=writer, src=layout.target_ranks)
@@ -197,6 +205,7 @@ def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite
                 + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
             )
         train_rows, eval_rows = store.rows("train"), store.rows("eval")
+        cfg = resolve_epochs(cfg, len(train_rows))
         if writer:
             write_resolved_config(cfg, out)
             warn_unservable(cfg)

@@ -195,14 +195,33 @@ class CaptureConfig(Section):
 
 
 class TrainConfig(Section):
-    """Optimizer, schedule and bookkeeping."""
+    """Optimizer, schedule and bookkeeping (``training/optim.py``)."""
 
     seed: int = 0
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw, or muon: torch.optim.Muon on the drafter's hidden matrices (learning rate matched "
+        "to AdamW's update RMS), AdamW on the rest (norms, biases, vocabulary-sized tensors)",
+    )
     lr: float = Field(6e-4, gt=0.0)
+    schedule: Literal["cosine", "linear", "wsd"] = Field(
+        "cosine",
+        description="after the warmup: cosine or linear decay to min_lr_ratio, or wsd (warmup-stable-decay: "
+        "constant, then linear decay over the last decay_ratio of the steps)",
+    )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    decay_ratio: float = Field(0.2, gt=0.0, le=1.0, description="wsd: share of the steps spent decaying")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay on its matrices")
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    muon_weight_decay: float = Field(0.1, ge=0.0, description="muon: decoupled weight decay of its matrices")
     warmup_ratio: float = Field(0.04, ge=0.0, le=1.0)
     max_steps: int = Field(1000, ge=1)
+    epochs: float | None = Field(
+        None,
+        gt=0.0,
+        description="train this many passes over the training rows instead of max_steps (max_steps is then "
+        "ceil(epochs * rows / grad_accum), recorded in run.yaml)",
+    )
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="autocast dtype of the drafter")

@@ -44,6 +44,7 @@ class Workload:
     cap_weight: float = 0.0
     cap_temperature: float = 1.0
     labels: str = "data"
+    optimizer: str = "adamw"  # train.optimizer: "muon" keeps one state per hidden matrix (muon_state_bytes)
     chunk_size: int | None = None
     grad_accum: int = 1
     activation_checkpointing: bool = False
@@ -188,6 +189,60 @@ def optimizer_step_transient(params: int, largest_param: int, device: str) -> in
     copy of every state; on CPU the per-tensor path makes ``exp_avg_sq.sqrt() / bc`` for one tensor
     at a time (two temporaries of the largest parameter)."""
     return 4 * params if device == "cuda" else 2 * 4 * largest_param
+
+
+def muon_matrix_shapes(w: Workload, d: DrafterDims) -> list[tuple[int, int]]:
+    """The matrices ``train.optimizer=muon`` gives to Muon (``training.optim.is_muon_matrix``): ``fc``,
+    every layer's projections and MLP, the variant's 2-D tensors without a vocabulary-sized side."""
+    from ..variants import variant_of
+
+    h = d.hidden
+    layer = [
+        (d.qd, h),
+        (d.kvd, h),
+        (d.kvd, h),
+        (h, d.qd),
+        (d.intermediate, h),
+        (d.intermediate, h),
+        (h, d.intermediate),
+    ]
+    variant, options = variant_of(w.variant), dict(w.variant_options)
+    extra = variant.head_shapes(options, h, d.vocab) + variant.layer_shapes(options, h) * w.drafter_layers
+    return (
+        [(h, w.num_features * h)]
+        + layer * w.drafter_layers
+        + [tuple(s) for s in extra if len(s) == 2 and d.vocab not in s]
+    )
+
+
+def muon_rest_largest(w: Workload, d: DrafterDims) -> int:
+    """The largest tensor AdamW keeps under ``train.optimizer=muon``: a norm's weight, or a variant's
+    vocabulary-sized or non-matrix tensor."""
+    from ..variants import variant_of
+
+    variant, options = variant_of(w.variant), dict(w.variant_options)
+    shapes = variant.head_shapes(options, d.hidden, d.vocab) + variant.layer_shapes(options, d.hidden)
+    return max([d.hidden] + [math.prod(s) for s in shapes if len(s) != 2 or d.vocab in s])
+
+
+def muon_state_bytes(params: int, tensors: int, matrices: list[tuple[int, int]]) -> int:
+    """``torch.optim.Muon`` keeps one fp32 ``momentum_buffer`` per matrix (no step count); AdamW keeps
+    its two states and ``step`` for the other ``params - sum(matrices)`` parameters."""
+    in_muon = sum(a * b for a, b in matrices)
+    return 4 * in_muon + optimizer_state_bytes(params - in_muon, tensors - len(matrices))
+
+
+def muon_step_transient(matrices: list[tuple[int, int]], device: str = "cuda") -> int:
+    """Muon's step, one matrix ``[A, B]`` at a time: the Nesterov update in fp32 (4AB), its bf16 copy and
+    the next Newton-Schulz iterate (2AB each), the ``m x m`` Gram matrix and its polynomial in bf16
+    (m = min(A, B)); the largest matrix sets it. On a CPU a bf16 GEMM may convert its operands and its
+    result to fp32 (a workspace of at most 4 (m^2 + 2 m n), n = max(A, B)); cuBLAS needs none."""
+
+    def one(a: int, b: int) -> int:
+        m, n = min(a, b), max(a, b)
+        return 8 * a * b + 4 * m * m + (4 * (m * m + 2 * m * n) if device == "cpu" else 0)
+
+    return max((one(a, b) for a, b in matrices), default=0)
 
 
 def drafter_largest_param(d: DrafterDims, num_features: int) -> int:

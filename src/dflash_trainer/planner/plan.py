@@ -166,6 +166,15 @@ def target_phases(
     return out
 
 
+def optimizer_states(w: F.Workload, d: F.DrafterDims, params: int, tensors: int) -> dict[str, int]:
+    """The optimizer states' item: AdamW's two fp32 states, or Muon's one on the hidden matrices."""
+    if w.optimizer == "muon":
+        return {
+            "optimizer states (Muon + AdamW, fp32)": F.muon_state_bytes(params, tensors, F.muon_matrix_shapes(w, d))
+        }
+    return {"optimizer states (AdamW, fp32)": F.optimizer_state_bytes(params, tensors)}
+
+
 def drafter_phases(
     s: TargetShape,
     w: F.Workload,
@@ -191,7 +200,7 @@ def drafter_phases(
         if colocated
         else F.target_head_and_embedding_bytes(s, w),
         "drafter weights (fp32)": 4 * params,
-        "optimizer states (AdamW, fp32)": F.optimizer_state_bytes(params, tensors),
+        **optimizer_states(w, d, params, tensors),
         "packed row, anchors, blocks": 8 * (4 * L + 8 * Q),
     }
     if w.grad_accum > 1:
@@ -305,11 +314,14 @@ def drafter_phases(
     phases["backward"] = best
 
     largest = max(F.drafter_largest_param(d, w.num_features), F.variant_head_params(w, d)[2])
-    phases["optimizer"] = {
-        **static,
-        "gradients (fp32)": grads,
-        tmp_name: F.optimizer_step_transient(params, largest, dev),
-    }
+    step_tmp = F.optimizer_step_transient(params, largest, dev)
+    if w.optimizer == "muon":  # AdamW's step on the rest, then Muon's, one matrix at a time
+        matrices = F.muon_matrix_shapes(w, d)
+        rest = params - sum(a * b for a, b in matrices)
+        step_tmp = max(
+            F.optimizer_step_transient(rest, F.muon_rest_largest(w, d), dev), F.muon_step_transient(matrices, dev)
+        )
+    phases["optimizer"] = {**static, "gradients (fp32)": grads, tmp_name: step_tmp}
     if naive:  # the loss on materialized [N, V] tensors replaces the fused loss
         for name in ("fused loss workspace", "loss inputs (hidden cast, teacher rows)"):
             phases["loss"].pop(name, None)
@@ -331,6 +343,7 @@ _DRAFTER_ORDER = [
     "gradients (fp32)",
     "DDP gradient buckets",
     "optimizer states (AdamW, fp32)",
+    "optimizer states (Muon + AdamW, fp32)",
     "drafter activations (saved for backward)",
     "attention masks (dense [Q, L+Q])",
     "attention block masks (flex)",
@@ -389,7 +402,7 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
         "drafter forward": "inside one layer's forward",
         "loss": "",
         "backward": "one layer's backward" + (" (recomputed first)" if w.activation_checkpointing else ""),
-        "optimizer": "AdamW's step",
+        "optimizer": "Muon's Newton-Schulz step" if w.optimizer == "muon" else "AdamW's step",
     }.get(peak_phase, "")
     notes["drafter activations (saved for backward)"] = (
         f"{w.drafter_layers} layers, {w.queries:,} queries x {w.keys:,} keys"

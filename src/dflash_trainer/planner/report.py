@@ -45,6 +45,7 @@ def workload_from_config(cfg) -> F.Workload:
         cap_weight=lo.cap_weight,
         cap_temperature=lo.cap_temperature,
         labels=lo.labels,
+        optimizer=tr.optimizer,
         chunk_size=lo.chunk_size,
         grad_accum=tr.grad_accum,
         activation_checkpointing=d.activation_checkpointing,

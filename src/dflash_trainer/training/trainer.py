@@ -10,8 +10,8 @@ numbers of a run do not depend on how many processes produce rows. Per row (``st
     batch    = drafter_step(drafter, features, cfg)         # [nb*B, H], nb = max_anchors (padded)
     loss     = draft_loss(drafter, batch, cfg)              # fused: never [positions x vocab]
 
-then gradient clipping, AdamW (fp32 master weights, optional bf16 autocast) and a cosine schedule
-with warmup. Checkpoints (``checkpoint.py``) hold everything a bit-identical resume needs. On a
+then gradient clipping and the optimizer step (``optim.py``: AdamW or Muon + AdamW, fp32 master
+weights, optional bf16 autocast; a cosine, linear or WSD schedule with warmup). Checkpoints (``checkpoint.py``) hold everything a bit-identical resume needs. On a
 drafter rank of a distributed run (``distributed.py``) the features arrive from the target ranks
 instead of being produced here, the drafter may be wrapped in DDP, and only drafter rank 0 writes.
 """
@@ -49,25 +49,11 @@ from .checkpoint import (
     save_training_checkpoint,
 )
 from .distributed import StepPlan
+from .optim import Optimizers, resolve_epochs
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
 
 EVAL_SEED = 1234  # anchors of the periodic evaluation: the same blocks at every evaluation
 EVAL_BLOCKS_PER_ROW = 64
-
-
-def lr_lambda(cfg: RunConfig):
-    """Linear warmup over ``warmup_ratio * max_steps`` steps, then cosine decay to ``min_lr_ratio``."""
-    total = cfg.train.max_steps
-    warmup = int(cfg.train.warmup_ratio * total)
-    floor = cfg.train.min_lr_ratio
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
 
 
 def build_drafter(cfg: RunConfig, target: TargetModel, tokenizer) -> DFlashDrafter:
@@ -196,6 +182,7 @@ class Trainer:
     ):
         if not train_rows:
             raise UserError("no training rows: the data set produced no packed row")
+        cfg = resolve_epochs(cfg, len(train_rows))
         self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.out_dir, self.target_path, self.progress = Path(out_dir), target_path, progress
@@ -210,16 +197,7 @@ class Trainer:
         self.forward = self.drafter
         if self.data_parallel:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.drafter, process_group=group)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() > 1]
-        no_decay = [p for p in params if p.dim() <= 1]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.train.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.optimizers = Optimizers(list(self.drafter.parameters()), cfg, target.vocab_size)
         self.c = Counters()
         self.plan = (
             feed.plan
@@ -232,8 +210,7 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            **self.optimizers.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             "counters": self.c.__dict__,
@@ -259,8 +236,7 @@ class Trainer:
                 f"checkpoint {path} was written by an older dflash-trainer (its data position is not a "
                 "global row index) and cannot be resumed; its drafter still loads for eval and export"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizers.load_state_dict(state)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.c = Counters(**state["counters"])
@@ -310,7 +286,7 @@ class Trainer:
     def train_step(self) -> dict | None:
         """One optimizer step over ``grad_accum`` rows; None if the loss was not finite (step skipped)."""
         cfg = self.cfg
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         rows, skipped = self.plan.step()
         self.c.rows_without_anchors += skipped
         self.c.rows_consumed = self.plan.next_g
@@ -359,7 +335,7 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip).item()
             finite = math.isfinite(grad_norm)
         if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             self.c.skipped_nonfinite += 1
             self.c.consecutive_nonfinite += 1
             if self.c.consecutive_nonfinite >= cfg.train.max_consecutive_nonfinite:
@@ -369,12 +345,23 @@ class Trainer:
                 )
             return None
         self.c.consecutive_nonfinite = 0
-        with phase("optimizer"):
-            self.optimizer.step()
-        self.scheduler.step()
+        self.optimizer_step()
         out = {name: totals[k].item() for k, name in enumerate(("loss", "ce", "kl", "cap", "accuracy"))}
         out.update({name: totals[k].item() for k, name in enumerate(extra, start=7)})
-        return {**out, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": tokens}
+        return {**out, "grad_norm": grad_norm, "lr": self.optimizers.lr, "tokens": tokens}
+
+    def zero_grad(self) -> None:
+        self.optimizers.zero_grad()
+
+    def optimizer_step(self) -> None:
+        """Every optimizer's step on the gradients the rows left, then the schedule's step."""
+        with phase("optimizer"):
+            self.optimizers.step()
+
+    @property
+    def epoch(self) -> float:
+        """Passes over the training rows so far (rows consumed / rows)."""
+        return self.c.rows_consumed / len(self.train_rows)
 
     def _on_signal(self, signum, _frame):
         self.stop_requested = signal.Signals(signum).name
@@ -465,6 +452,7 @@ class Trainer:
                 record = {
                     "step": self.c.step,
                     "skipped_nonfinite": self.c.skipped_nonfinite,
+                    "epoch": round(self.epoch, 6),
                     "elapsed_s": time.time() - t_start,  # this process's wall time since the loop began
                 }
                 if out is not None:
@@ -488,6 +476,7 @@ class Trainer:
                         loss=f"{record.get('loss', float('nan')):.3f}",
                         tau=f"{last_eval.get('tau', float('nan')):.2f}",
                         tok_s=f"{rate:.0f}",
+                        epoch=f"{self.epoch:.2f}" + (f"/{cfg.train.epochs:g}" if cfg.train.epochs else ""),
                         **extra,
                         refresh=False,
                     )

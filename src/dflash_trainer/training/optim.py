@@ -1,0 +1,136 @@
+"""Optimizers and learning-rate schedules of a training run (``train.optimizer``, ``train.schedule``).
+
+``adamw``: one ``torch.optim.AdamW`` (betas 0.9/0.95, decoupled weight decay on matrices only).
+``muon``: ``torch.optim.Muon`` on the drafter's hidden matrices (2-D, no vocabulary-sized side: Muon's
+authors keep embeddings and heads on AdamW), its learning rate scaled by ``0.2 sqrt(max(A, B))`` so
+its update RMS matches AdamW's at the same ``train.lr`` (torch's ``adjust_lr_fn="match_rms_adamw"``);
+AdamW on everything else (norms, biases, vocabulary-sized tensors). Both follow the same schedule
+factor of the step:
+
+    cosine   warmup, then 0.5 (1 + cos(pi t)) from 1 to min_lr_ratio
+    linear   warmup, then a line from 1 to min_lr_ratio
+    wsd      warmup, 1 until the last decay_ratio of the steps, then a line to min_lr_ratio
+
+where ``t`` is the share of the post-warmup steps done. ``train.epochs`` turns into ``max_steps`` once
+the number of training rows is known (``resolve_epochs``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import RunConfig
+
+MUON_LR_MATCH = "match_rms_adamw"
+
+
+def steps_for_epochs(epochs: float, num_rows: int, grad_accum: int) -> int:
+    """Optimizer steps that consume ``epochs`` passes over ``num_rows`` rows, ``grad_accum`` rows a step."""
+    return max(1, math.ceil(epochs * num_rows / grad_accum))
+
+
+def resolve_epochs(cfg: RunConfig, num_rows: int) -> RunConfig:
+    """``cfg`` with ``train.max_steps`` derived from ``train.epochs`` (unchanged when epochs is not set)."""
+    if cfg.train.epochs is None:
+        return cfg
+    steps = steps_for_epochs(cfg.train.epochs, num_rows, cfg.train.grad_accum)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": steps})})
+
+
+def schedule_factor(cfg: RunConfig):
+    """``step -> lr / train.lr`` for steps ``0 .. max_steps - 1`` (see the module docstring)."""
+    tr = cfg.train
+    total, floor = tr.max_steps, tr.min_lr_ratio
+    warmup = int(tr.warmup_ratio * total)
+    decay_start = max(warmup, total - math.ceil(tr.decay_ratio * total)) if tr.schedule == "wsd" else warmup
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, max(0, step - decay_start) / max(1, total - decay_start))
+        if tr.schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+        return floor + (1 - floor) * (1 - t)  # linear, and wsd (t stays 0 until its decay starts)
+
+    return fn
+
+
+def is_muon_matrix(p: torch.Tensor, vocab_size: int) -> bool:
+    """Whether ``train.optimizer=muon`` updates ``p`` with Muon: a hidden matrix (2-D, no side of the
+    vocabulary's size: a DFlash2 selector's factors stay on AdamW like an embedding would)."""
+    return p.dim() == 2 and vocab_size not in p.shape
+
+
+class Optimizers:
+    """The run's optimizers and their schedulers, stepped together. ``state_dict`` keys: ``optimizer``
+    and ``scheduler`` (AdamW, always present), ``muon_optimizer`` and ``muon_scheduler`` (Muon only)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig, vocab_size: int):
+        tr = cfg.train
+        params = [p for p in params if p.requires_grad]
+        muon = [p for p in params if tr.optimizer == "muon" and is_muon_matrix(p, vocab_size)]
+        in_muon = {id(p) for p in muon}
+        rest = [p for p in params if id(p) not in in_muon]
+        decay = [p for p in rest if p.dim() > 1]
+        no_decay = [p for p in rest if p.dim() <= 1]
+        self.adamw = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tr.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=tr.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
+        self.muon = (
+            torch.optim.Muon(
+                muon,
+                lr=tr.lr,
+                weight_decay=tr.muon_weight_decay,
+                momentum=tr.muon_momentum,
+                nesterov=True,
+                adjust_lr_fn=MUON_LR_MATCH,
+            )
+            if muon
+            else None
+        )
+        factor = schedule_factor(cfg)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.all]
+
+    @property
+    def all(self) -> list[torch.optim.Optimizer]:
+        return [self.adamw] + ([self.muon] if self.muon is not None else [])
+
+    def zero_grad(self) -> None:
+        for o in self.all:
+            o.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """One optimizer step of every optimizer, then one scheduler step."""
+        for o in self.all:
+            o.step()
+        for s in self.schedulers:
+            s.step()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (``train.lr`` times the schedule factor)."""
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state(self) -> list[dict]:
+        """The per-parameter states of every optimizer (for inspection: dtypes, sizes)."""
+        return [st for o in self.all for st in o.state.values()]
+
+    def state_dict(self) -> dict:
+        out = {"optimizer": self.adamw.state_dict(), "scheduler": self.schedulers[0].state_dict()}
+        if self.muon is not None:
+            out.update(muon_optimizer=self.muon.state_dict(), muon_scheduler=self.schedulers[1].state_dict())
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved; a checkpoint of the other optimizer is refused by the
+        resume's settings check (``train.optimizer`` changes what a step computes) before this runs."""
+        self.adamw.load_state_dict(state["optimizer"])
+        self.schedulers[0].load_state_dict(state["scheduler"])
+        if self.muon is not None:
+            self.muon.load_state_dict(state["muon_optimizer"])
+            self.schedulers[1].load_state_dict(state["muon_scheduler"])
