@@ -16,7 +16,7 @@ from dflash_trainer.config import TargetConfig, load_config
 from dflash_trainer.data.blocks import valid_anchor_positions
 from dflash_trainer.data.packing import PackedRow, doc_ids_from_positions
 from dflash_trainer.data.records import iter_records
-from dflash_trainer.inference.acceptance import EvalInputError, acceptance_report
+from dflash_trainer.inference.acceptance import EvalInputError, acceptance_report, tau_by_context
 from dflash_trainer.inference.regenerate import regenerate_records
 from dflash_trainer.model.loading import load_target
 from dflash_trainer.model.target import TargetModel
@@ -132,6 +132,25 @@ def test_report_is_self_consistent(setup):
     assert all(a <= b + 1e-12 for a, b in zip(ddtree, ddtree[1:]))  # a bigger tree holds the smaller one
     assert ddtree[0] == pytest.approx(1 + slot[0])  # budget 1: the drafter's top token at slot 1 only
     assert ddtree[-1] > tau  # 64 nodes cover more than the single chain for this drafter
+
+
+def test_tau_by_context_buckets_blocks_by_their_document_position():
+    accepted = torch.tensor([0, 3, 1, 2, 0, 5])
+    context = torch.tensor([10, 1023, 1024, 5000, 200000, 4095])
+    got = tau_by_context(accepted, context)
+    assert [(b["context"], b["blocks"]) for b in got] == [("0-1K", 2), ("1K-4K", 2), ("4K-16K", 1), (">=128K", 1)]
+    assert [b["tau"] for b in got] == [2.5, 1 + (1 + 5) / 2, 3.0, 1.0]
+    assert got[-1]["max"] is None and got[0]["min"] == 0 and got[0]["max"] == 1024
+
+
+def test_report_splits_tau_by_context_length(setup):
+    rep = acceptance_report(
+        setup.target, setup.drafter, setup.rows, budgets=(), max_blocks_per_row=16, context_buckets=(0, 32, 64, 128)
+    )
+    buckets = rep["tau_by_context"]
+    assert len(buckets) >= 3 and sum(b["blocks"] for b in buckets) == rep["blocks"]
+    assert sum(b["tau"] * b["blocks"] for b in buckets) / rep["blocks"] == pytest.approx(rep["tau"], abs=1e-12)
+    assert all(b["min"] < (b["max"] or 1 << 62) for b in buckets)
 
 
 def _brute_force_accepted(log_probs, greedy, budget):

@@ -202,8 +202,23 @@ def _layer(key, value):
 REFUSALS = [
     (
         "spec-defaults",
-        _layer("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-        "RoPE type 'yarn'",
+        _layer("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}),
+        "RoPE type 'dynamic'",
+    ),
+    (  # YaRN as DeepSeek writes it: mscale changes the attention factor in a way the drafter does not compute
+        "spec-defaults",
+        _layer(
+            "rope_parameters",
+            {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        ),
+        r"yarn RoPE with \['mscale', 'mscale_all_dim'\]",
     ),
     ("spec-defaults", _layer("attention_bias", True), "attention_bias is true"),
     ("spec-defaults", _layer("hidden_act", "gelu"), "hidden_act 'gelu'"),

@@ -486,3 +486,25 @@ def test_plan_prices_the_transfer_buffers_of_the_topology():
 
     assert size(four, "drafter", item) == 2 * size(two, "drafter", item) > 0
     assert size(four, "target", "rows queued for sending") == 2 * size(two, "target", "rows queued for sending") > 0
+
+
+def test_long_rows_with_thousands_of_anchors_are_priced():
+    """ModelOpt's long-context fine-tune: 32K-token rows, 4,096 anchors x block 16 (65,536 queries over
+    98,304 keys; anchors are distinct positions whose blocks overlap). The 27B plan prices it, fits, and
+    its headroom counts anchors up to L - B + 1, not L / B (2,048 here: fewer than the run asks for)."""
+    cfg = load_config(["ddtree-experiment"], ["data.seq_len=32768", "data.max_anchors=4096", "drafter.block_size=16"])
+    plan = plan_for_config(cfg)
+    assert plan.workload.queries == 65536 and plan.workload.keys == 32768 + 65536
+    assert plan.fits
+    (headroom,) = [r for r in plan.recommendations if r.startswith("headroom")]
+    assert "every position" not in headroom
+    assert int(headroom.split("max_anchors=")[1].split()[0].replace(",", "")) > 4096
+    items = {}
+    for anchors in (4096, 8192):
+        p = plan_for_config(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_anchors": anchors})}))
+        items[anchors] = {i.name: i.bytes for i in p.devices[-1].items}
+    name = "drafter activations (saved for backward)"
+    assert items[8192][name] > 1.5 * items[4096][name]  # the queries and the keys both grow
+    short = load_config(["tiny-demo"], ["data.seq_len=512", "data.max_anchors=500", "drafter.block_size=8"])
+    (headroom,) = [r for r in plan_for_config(short, gpu="h200").recommendations if r.startswith("headroom")]
+    assert headroom == "headroom: even an anchor at every position fits (505 x block 8)"

@@ -48,6 +48,11 @@ SETTINGS = {
         ["speculators"],
     ),
     "last-layer": ({}, ["speculators"]),  # hooks LAST_LAYER_IDS, fine-tuned from the defaults
+    # drafter.rope_scaling: YaRN over an original context shorter than the prompts (about 200-330 positions)
+    "yarn": (
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+        ["speculators"],
+    ),
 }
 
 

@@ -111,6 +111,13 @@ def format_table(entries: list[dict]) -> str:
             f"{e['label']:<{width}}  {r['blocks']:>6}  {r['tau']:>6.3f}  {decode}  "
             + "  ".join(f"{t:>6.3f}" for t in r["ddtree_tau"])
         )
+    for e in entries:  # where long context makes acceptance collapse: chain tau per context length
+        buckets = e["report"].get("tau_by_context") or []
+        if len(buckets) > 1:
+            lines.append(
+                f"{e['label']}: chain tau by context "
+                + "  ".join(f"{b['context']} {b['tau']:.3f} ({b['blocks']})" for b in buckets)
+            )
     for e in entries:  # the confidence head's calibration (DSpark), per draft slot
         c = e["report"].get("confidence")
         if c:

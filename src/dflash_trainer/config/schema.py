@@ -51,6 +51,37 @@ class TargetConfig(Section):
         return self
 
 
+class RopeScalingConfig(Section):
+    """Drafter RoPE scaling for long context (``model/rope.py``), as transformers reads ``rope_parameters``."""
+
+    rope_type: Literal["linear", "yarn"] = Field(
+        description="linear (position interpolation) or yarn (NTK-by-parts with attention scaling)"
+    )
+    factor: float = Field(gt=1.0, description="context extension: positions are interpolated by this factor")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, description="yarn: the context length the RoPE base was trained for (required for yarn)"
+    )
+    beta_fast: float = Field(32.0, gt=0.0, description="yarn: dimensions turning faster than this keep their frequency")
+    beta_slow: float = Field(1.0, gt=0.0, description="yarn: dimensions turning slower than this are interpolated")
+    attention_factor: float | None = Field(None, gt=0.0, description="yarn: cos/sin scale; null = 0.1 ln(factor) + 1")
+    truncate: bool = Field(True, description="yarn: round the ramp's boundaries to whole dimensions")
+
+    @model_validator(mode="after")
+    def _yarn_needs_original_length(self) -> RopeScalingConfig:
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError(
+                "rope_type yarn needs original_max_position_embeddings (the context the base was trained for)"
+            )
+        if self.rope_type == "yarn" and self.beta_slow >= self.beta_fast:
+            raise ValueError(f"yarn: beta_slow {self.beta_slow} must be below beta_fast {self.beta_fast}")
+        return self
+
+    def as_rope_parameters(self) -> dict:
+        """The ``rope_parameters`` entries (without ``rope_theta``) an export writes and the drafter reads."""
+        keep = ("rope_type", "factor") if self.rope_type == "linear" else tuple(type(self).model_fields)
+        return {k: v for k, v in self.model_dump().items() if k in keep and v is not None}
+
+
 class DrafterConfig(Section):
     """The DFlash drafter: a few Qwen3-style decoder layers with KV injection of target features."""
 
@@ -74,6 +105,11 @@ class DrafterConfig(Section):
     )
     sliding_window: int = Field(2048, ge=1, description="W: context rows a sliding-window layer sees")
     causal_in_block_sliding: bool = Field(False, description="sliding-window layers are causal inside the block")
+    rope_scaling: RopeScalingConfig | None = Field(
+        None,
+        description="RoPE scaling of the drafter for long context, e.g. {rope_type: yarn, factor: 4, "
+        "original_max_position_embeddings: 32768}; null = default RoPE with the target's base",
+    )
     noise: Literal["none", "uniform", "gaussian"] = Field(
         "none", description="noise on context features (training only)"
     )

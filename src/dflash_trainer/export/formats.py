@@ -64,7 +64,7 @@ def _layer_config(spec: DrafterSpec) -> dict:
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
         "rms_norm_eps": spec.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_parameters": {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta},
         "rope_theta": spec.rope_theta,
         "vocab_size": spec.vocab_size,
         "hidden_act": "silu",
@@ -75,6 +75,11 @@ def _layer_config(spec: DrafterSpec) -> dict:
         "torch_dtype": "bfloat16",
         "dtype": "bfloat16",
     }
+    if spec.rope_scaling:  # transformers 4 and older serving stacks read the scaling from rope_scaling
+        cfg["rope_scaling"] = {**spec.rope_scaling, "type": spec.rope_scaling["rope_type"]}
+        if spec.rope_scaling["rope_type"] == "yarn":  # the extended context, as transformers checks YaRN's factor
+            original = spec.rope_scaling["original_max_position_embeddings"]
+            cfg["max_position_embeddings"] = int(round(spec.rope_scaling["factor"] * original))
     if spec.sliding_window_layers:
         cfg["sliding_window"] = spec.sliding_window
         cfg["use_sliding_window"] = True

@@ -79,9 +79,18 @@ def _layer_config(raw: dict, where: str):
         raise UserError(f"{where}: transformers cannot read its layer config ({first})") from None
 
 
-def _rope_theta(layer, where: str) -> float:
-    """The default-RoPE base of a parsed layer config, from ``rope_parameters`` (transformers 5) or a
-    top-level ``rope_theta`` (transformers 4 configs, converted by the config class)."""
+# The RoPE scaling keys the drafter computes (model/rope.py); other keys of a scaled rope_parameters
+# (mscale, long/short factors...) change the frequencies in ways it does not, and are refused.
+_SCALING_KEYS = {
+    "linear": {"factor"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"},
+}
+
+
+def _rope(layer, where: str) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` of a parsed layer config, from ``rope_parameters`` (transformers 5)
+    or a top-level ``rope_theta`` (transformers 4 configs, converted by the config class); the scaling is
+    None for default RoPE, else the linear or YaRN entries ``DrafterSpec.rope_scaling`` holds."""
     rope = dict(getattr(layer, "rope_parameters", None) or {})
     if {"full_attention", "sliding_attention"} & rope.keys():  # one set per layer type
         variants = {json.dumps(v, sort_keys=True) for v in rope.values()}
@@ -89,14 +98,23 @@ def _rope_theta(layer, where: str) -> float:
             raise UserError(f"{where}: RoPE parameters differ per layer type; this project's drafter has one RoPE")
         rope = next(iter(rope.values()))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise UserError(f"{where}: RoPE type {kind!r}; this project's drafter computes default RoPE only")
+    if kind not in ("default", *_SCALING_KEYS):
+        raise UserError(f"{where}: RoPE type {kind!r}; this project's drafter computes default, linear and yarn RoPE")
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{where}: partial_rotary_factor {rope['partial_rotary_factor']}; the drafter rotates all dims")
     theta = rope.get("rope_theta", getattr(layer, "rope_theta", None))
     if theta is None:
         raise UserError(f"{where}: its layer config gives no rope_theta")
-    return float(theta)
+    if kind == "default":
+        return float(theta), None
+    ignored = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    unknown = sorted(k for k, v in rope.items() if k not in _SCALING_KEYS[kind] | ignored and v is not None)
+    if unknown:
+        raise UserError(f"{where}: {kind} RoPE with {unknown}; the drafter computes {sorted(_SCALING_KEYS[kind])} only")
+    if kind == "yarn" and rope.get("original_max_position_embeddings") is None:
+        raise UserError(f"{where}: yarn RoPE without original_max_position_embeddings")
+    scaling = {"rope_type": kind, **{k: v for k, v in rope.items() if k in _SCALING_KEYS[kind] and v is not None}}
+    return float(theta), scaling
 
 
 def _refuse_unrepresentable_layers(layer, where: str) -> None:
@@ -239,6 +257,7 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
     _refuse_unrepresentable_layers(layer, where)
     window = layer.sliding_window  # None when use_sliding_window is false: every layer attends fully
     sliding = tuple(i for i, t in enumerate(layer.layer_types or []) if t == "sliding_attention") if window else ()
+    theta, rope_scaling = _rope(layer, where)
     spec = DrafterSpec(
         hidden_size=layer.hidden_size,
         num_heads=layer.num_attention_heads,
@@ -250,7 +269,8 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
         num_features=len(layer_ids),
         block_size=block,
         rms_norm_eps=layer.rms_norm_eps,
-        rope_theta=_rope_theta(layer, where),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
         sliding_window_layers=sliding,
         sliding_window=window or 2048,
         causal_in_block_sliding=causal,

@@ -55,6 +55,31 @@ def check_budgets(budgets: Sequence[int]) -> list[int]:
     return sorted({int(b) for b in budgets})
 
 
+# Lower edges of the context-length buckets of ``tau_by_context``: tokens of the anchor's document before
+# it. Users report acceptance collapsing past ~100K tokens of context; the buckets make that visible.
+CONTEXT_BUCKETS = (0, 1024, 4096, 16384, 32768, 65536, 131072)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+
+def tau_by_context(accepted: torch.Tensor, context: torch.Tensor, edges: Sequence[int] = CONTEXT_BUCKETS) -> list[dict]:
+    """Chain tau per context-length bucket: ``accepted`` ``[N]`` drafts accepted per block, ``context``
+    ``[N]`` its anchor's position in its document. One ``{"context", "min", "max", "blocks", "tau"}`` per
+    bucket ``[min, max)`` holding blocks (``max`` None: the last, open bucket), in order."""
+    out = []
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else None
+        inside = (context >= lo) & (context < hi if hi is not None else True)
+        n = int(inside.sum())
+        if n:
+            label = f"{_tokens(lo)}-{_tokens(hi)}" if hi is not None else f">={_tokens(lo)}"
+            tau = (accepted[inside].double() + 1).mean().item()
+            out.append({"context": label, "min": lo, "max": hi, "blocks": n, "tau": tau})
+    return out
+
+
 class ScoredBlocks(NamedTuple):
     """A few blocks scored by ``teacher_forced_blocks`` (g blocks, D draft slots each)."""
 
@@ -151,6 +176,7 @@ def acceptance_report(
     attention_backend: str = "dense",
     max_logit_elements: int = MAX_LOGIT_ELEMENTS,
     decode_path: bool = True,
+    context_buckets: Sequence[int] = CONTEXT_BUCKETS,
 ) -> dict:
     """Chain and DDTree acceptance of ``drafter`` against ``target``'s greedy tokens on packed ``rows``.
 
@@ -160,6 +186,8 @@ def acceptance_report(
     ``decode_path`` adds the decode-path tau. Returns (B = block size, N = blocks evaluated):
 
         tau                     chain tau, mean(accepted + 1)
+        tau_by_context          chain tau per bucket of the anchor's position in its document
+                                (``tau_by_context``, ``CONTEXT_BUCKETS``)
         slot_acceptance         [B-1]  P(draft_k == greedy_k), slots 1..B-1
         conditional_acceptance  [B-1]  P(draft_k == greedy_k | slots 1..k-1 accepted); None where no
                                        block got that far
@@ -182,6 +210,7 @@ def acceptance_report(
     span = b + variant_of(drafter.spec).label_shift(drafter.spec)  # D = span - 1 drafts per block
     gen = torch.Generator().manual_seed(seed)
     accepted_parts, match_parts, tree_parts, confidence_parts, hit_parts = [], [], [], [], []
+    context_parts = []  # [n] per row: each sampled anchor's position in its document
     rows_used = rows_empty = 0
     was_training = drafter.training
     drafter.eval()
@@ -193,6 +222,7 @@ def acceptance_report(
                 rows_empty += 1
                 continue
             rows_used += 1
+            context_parts.append(row.position_ids.cpu()[anchors])  # the blocks below come in anchor order
             for scored in teacher_forced_blocks(
                 target,
                 drafter,
@@ -235,6 +265,7 @@ def acceptance_report(
         "accepted_histogram": torch.bincount(accepted, minlength=span).tolist(),
         "budgets": budgets,
         "ddtree_tau": (torch.tensor(tree_parts, dtype=torch.float64) + 1).mean(0).tolist() if budgets else [],
+        "tau_by_context": tau_by_context(accepted, torch.cat(context_parts), context_buckets),
     }
     if confidence_parts:  # the confidence head's calibration per draft slot, over the same blocks
         predicted = torch.cat([c for c, _ in confidence_parts])  # [N, D]

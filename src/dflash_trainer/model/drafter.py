@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import UserError
 from .attention import MaskSpec, dense_mask, flex_block_mask
+from .rope import apply_rope, rope_cos_sin
 from .target import head_logit_options, text_config
 
 
@@ -40,6 +41,9 @@ class DrafterSpec:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    # drafter.rope_scaling as transformers' rope_parameters read it ({"rope_type": "yarn", "factor", ...});
+    # None: default RoPE, and the JSON form leaves it out (as before scaling existed)
+    rope_scaling: dict | None = field(default=None, hash=False)
     sliding_window_layers: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int = 2048
     causal_in_block_sliding: bool = False
@@ -61,6 +65,8 @@ class DrafterSpec:
         d = dataclasses.asdict(self)
         if self.variant == "dflash" and not self.variant_options:
             del d["variant"], d["variant_options"]
+        if self.rope_scaling is None:
+            del d["rope_scaling"]
         return d
 
     @classmethod
@@ -97,6 +103,9 @@ class DrafterSpec:
             block_size=drafter_cfg.block_size,
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
             rope_theta=float(theta or getattr(c, "rope_theta", 1e6)),
+            rope_scaling=drafter_cfg.rope_scaling.as_rope_parameters()
+            if getattr(drafter_cfg, "rope_scaling", None)
+            else None,
             sliding_window_layers=tuple(drafter_cfg.sliding_window_layers),
             sliding_window=drafter_cfg.sliding_window,
             causal_in_block_sliding=drafter_cfg.causal_in_block_sliding,
@@ -162,21 +171,6 @@ class RMSNorm(nn.Module):
         x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """``[T] -> ([T, d], [T, d])`` rotary tables (HF's rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
-    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[heads, T, d]`` rotated by position tables ``[T, d]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 _COMPILED_FLEX = None
@@ -313,6 +307,11 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables ``([T, d], [T, d])`` of ``positions`` ``[T]``: the spec's base and scaling."""
+        s = self.spec
+        return rope_cos_sin(positions, s.head_dim, s.rope_theta, dtype, s.rope_scaling)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Target embedding of ``ids``, detached: the embedding is frozen even if the caller's is not."""
         return F.embedding(ids, self.target_embed[0].weight.detach()).to(self.dtype)
@@ -357,8 +356,8 @@ class DFlashDrafter(nn.Module):
             raise UserError("FlexAttention has no backward pass on CPU: train on CPU with the dense backend")
         ctx = self.context(features)
         x = self._embed(block_ids.reshape(-1))
-        cos_q, sin_q = rope_cos_sin(block_positions.reshape(-1), self.spec.head_dim, self.spec.rope_theta, x.dtype)
-        cos_c, sin_c = rope_cos_sin(context_positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        cos_q, sin_q = self.rope(block_positions.reshape(-1), x.dtype)
+        cos_c, sin_c = self.rope(context_positions, x.dtype)
         # Activation checkpointing keeps only each layer's inputs (x; ctx and the tables are shared) and
         # recomputes the layer, context keys/values included, in the backward pass (planner/formulas.py).
         recompute = self.spec.activation_checkpointing and self.training and torch.is_grad_enabled()
@@ -376,7 +375,7 @@ class DFlashDrafter(nn.Module):
         ids[0] = anchor_token
         x = self._embed(ids)
         pos = anchor_position + torch.arange(b, device=ids.device)
-        cos_q, sin_q = rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        cos_q, sin_q = self.rope(pos, x.dtype)
         for layer, spec, (k, v) in zip(self.layers, self.mask_specs, cache):
             if spec.window is not None:
                 k, v = k[:, -spec.window :], v[:, -spec.window :]
@@ -393,7 +392,7 @@ class DFlashDrafter(nn.Module):
         """Per-layer context keys/values ``[kv_heads, L, d]`` of the rows before the anchor, as a serving
         engine keeps them (each row's keys depend only on that row, so appending equals recomputing)."""
         ctx = self.context(features)
-        cos_c, sin_c = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, ctx.dtype)
+        cos_c, sin_c = self.rope(positions, ctx.dtype)
         return [layer.self_attn.keys_values(ctx, cos_c, sin_c) for layer in self.layers]
 
     def block_logits(self, hidden: torch.Tensor) -> torch.Tensor:

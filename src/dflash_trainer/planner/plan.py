@@ -535,11 +535,13 @@ def recommendations(plan: Plan, ids: list[int], fit_chunk: int | None) -> list[s
     s, w, topo = plan.target, plan.workload, plan.topology
     out = []
     drafter = plan.devices[-1]
-    upper = max(w.max_anchors * 4, 1)
-    upper = min(upper, max(1, w.seq_len // w.block_size))
+    # Anchors are distinct positions whose blocks may overlap: a one-document row holds at most
+    # L - B + 1 of them (a 32K row takes thousands), not L / B.
+    every = max(1, w.seq_len - w.block_size + 1)
+    upper = min(max(w.max_anchors * 4, 1), every)
     best = largest_anchors(s, w, topo, ids, upper)
     if drafter.fits:
-        if best >= max(1, w.seq_len // w.block_size):
+        if best >= every:
             out.append(f"headroom: even an anchor at every position fits ({best:,} x block {w.block_size})")
         elif best >= upper:
             out.append(

@@ -13,6 +13,8 @@ final-normed hidden states ``[1, Q, H]``; the target's own ``lm_head`` turns the
 Context rows are keys and values only (KV injection through each layer's k_proj/v_proj).
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,11 +34,35 @@ class DFlashRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _rope(positions, head_dim, theta, dtype):
+def _scaled_inv_freq(inv_freq, head_dim, theta, rope):
+    """``(inv_freq, cos/sin scale)`` of a linear or YaRN ``rope_parameters`` (transformers' definitions)."""
+    kind, factor = rope.get("rope_type", "default"), float(rope.get("factor") or 1.0)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind != "yarn":
+        return inv_freq, 1.0
+    original = float(rope["original_max_position_embeddings"])
+
+    def boundary(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = boundary(float(rope.get("beta_fast") or 32)), boundary(float(rope.get("beta_slow") or 1))
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    scale = rope.get("attention_factor")
+    scale = float(scale) if scale is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv_freq * (1 - ramp) + inv_freq / factor * ramp, scale
+
+
+def _rope(positions, head_dim, theta, dtype, rope=None):
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    inv_freq, scale = _scaled_inv_freq(inv_freq, head_dim, theta, rope or {})
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def _rotate(x, cos, sin):
@@ -118,7 +144,8 @@ class DFlashDraftModel(PreTrainedModel):
         context = self.hidden_norm(self.fc(target_hidden[0].to(self.fc.weight.dtype)))
         n_ctx = context.shape[0]
         head_dim = self.layers[0].self_attn.head_dim
-        cos, sin = _rope(position_ids[0], head_dim, self._rope_theta(), x.dtype)
+        rope = getattr(self.config, "rope_parameters", None) or {}
+        cos, sin = _rope(position_ids[0], head_dim, self._rope_theta(), x.dtype, rope)
         layer_types = getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
         causal_sliding = bool(self.config.dflash_config.get("causal_in_block_sliding", False))
         for layer, kind in zip(self.layers, layer_types):
