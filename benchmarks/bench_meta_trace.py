@@ -60,7 +60,9 @@ from dflash_trainer.training.step import StepBatch, draft_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL = 0.10
-SEED = ["ddtree-experiment"], ["target.path=null", "topology.target_model=qwen3.6-27b"]
+# The trace steps AdamW (below), so the plan it is compared with prices AdamW too (train.optimizer's
+# default is Muon; its states and step are checked on real tensors in tests/test_optim.py).
+SEED = ["ddtree-experiment"], ["target.path=null", "topology.target_model=qwen3.6-27b", "train.optimizer=adamw"]
 SMALL = [
     "data.seq_len=2048",
     "data.max_anchors=32",

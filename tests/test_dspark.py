@@ -93,6 +93,7 @@ def test_training_step_matches_the_reference_loss(tmp_path, head_type):
         f"drafter.dspark.markov_head_type={head_type}",
         "drafter.dspark.renyi_weight=0.3",
         "drafter.dspark.position_weights=dpard",
+        "loss.position_weights=exp_decay",  # D-PARD's credit replaces these weights (D-PACE's would too)
         "loss.kl_weight=0.2",
     )
     assert needs_teacher(cfg)

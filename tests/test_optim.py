@@ -17,7 +17,7 @@ from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.planner import formulas as F
 from dflash_trainer.planner.report import workload_from_config
 from dflash_trainer.training.checkpoint import config_changes
-from dflash_trainer.training.optim import Optimizers, is_muon_matrix, schedule_factor, steps_for_epochs
+from dflash_trainer.training.optim import Optimizers, muon_matrices, schedule_factor, steps_for_epochs
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import make_drafter
@@ -32,7 +32,7 @@ def train_cfg(*overrides):
 def test_schedules_follow_their_formulas():
     # 100 steps, 10 warmup, floor 0.1: every value written out from the formula's definition
     common = ("train.max_steps=100", "train.warmup_ratio=0.1", "train.min_lr_ratio=0.1")
-    cos = schedule_factor(train_cfg(*common))
+    cos = schedule_factor(train_cfg(*common, "train.schedule=cosine"))
     lin = schedule_factor(train_cfg(*common, "train.schedule=linear"))
     wsd = schedule_factor(train_cfg(*common, "train.schedule=wsd", "train.decay_ratio=0.2"))
     for f in (cos, lin, wsd):
@@ -56,7 +56,7 @@ def test_epochs_give_the_steps_of_that_many_passes():
         train_cfg("train.epochs=0")
 
 
-def spec_for(variant: str, **settings) -> DrafterSpec:
+def spec_for(variant: str, width: int = 48, **settings) -> DrafterSpec:
     cfg = load_config(["tiny-demo"], [f"drafter.variant={variant}"] if variant != "dflash" else [])
     options = cfg.drafter.variant_settings.model_dump() if variant != "dflash" else {}
     options.update(settings)
@@ -65,7 +65,7 @@ def spec_for(variant: str, **settings) -> DrafterSpec:
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
-        intermediate_size=48,
+        intermediate_size=width,
         vocab_size=160,
         num_layers=2,
         num_features=3,
@@ -77,6 +77,7 @@ def spec_for(variant: str, **settings) -> DrafterSpec:
 
 VARIANTS = [
     ("dflash", {}),
+    ("dflash", {"width": 160}),  # an MLP as wide as the vocabulary is still a hidden matrix
     ("dspark", {"markov_rank": 8, "markov_head_type": "gated"}),
     ("dflash2", {"selector_rank": 8, "selector_top_k": 4, "conv_group_size": 8}),
 ]
@@ -89,16 +90,16 @@ def test_muon_takes_the_hidden_matrices_and_the_planner_prices_its_states(varian
     spec = spec_for(variant, **settings)
     drafter = make_drafter(spec, torch.nn.Embedding(spec.vocab_size, spec.hidden_size), torch.zeros(160, 32)).float()
     cfg = train_cfg("train.optimizer=muon", f"drafter.variant={variant}")
-    opt = Optimizers(list(drafter.parameters()), cfg, spec.vocab_size)
+    in_muon = muon_matrices(drafter)
+    opt = Optimizers(list(drafter.parameters()), cfg, in_muon)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    in_muon = [p for p in trainable if is_muon_matrix(p, spec.vocab_size)]
     assert {id(p) for p in opt.muon.param_groups[0]["params"]} == {id(p) for p in in_muon}
     assert sum(len(g["params"]) for g in opt.adamw.param_groups) == len(trainable) - len(in_muon)
-    assert all(p.dim() == 2 and spec.vocab_size not in p.shape for p in in_muon)
+    assert all(p.dim() == 2 for p in in_muon) and len(in_muon) >= 1 + 7 * spec.num_layers
     if variant != "dflash":  # the variant's vocabulary-sized codebooks stay on AdamW
-        assert any(spec.vocab_size in p.shape for p in trainable if p.dim() == 2)
+        assert len(in_muon) < sum(1 for p in trainable if p.dim() == 2)
 
-    dims = F.DrafterDims(32, 4, 2, 8, 48, 160)
+    dims = F.DrafterDims(32, 4, 2, 8, spec.intermediate_size, 160)
     opts = [f"drafter.{variant}.{k}={v}" for k, v in settings.items()] if variant != "dflash" else []
     w = workload_from_config(
         load_config([], [f"drafter.variant={variant}", *opts, "drafter.num_layers=2", "target.num_feature_layers=3"])
@@ -111,7 +112,7 @@ def test_muon_takes_the_hidden_matrices_and_the_planner_prices_its_states(varian
     held = sum(t.nbytes for st in opt.state() for t in st.values() if torch.is_tensor(t))
     params = sum(p.numel() for p in trainable)
     assert held == F.muon_state_bytes(params, len(trainable), F.muon_matrix_shapes(w, dims))
-    adamw = Optimizers(list(drafter.parameters()), train_cfg(), spec.vocab_size)
+    adamw = Optimizers(list(drafter.parameters()), train_cfg("train.optimizer=adamw"), in_muon)
     adamw.step()
     held = sum(t.nbytes for st in adamw.state() for t in st.values() if torch.is_tensor(t))
     assert held == F.optimizer_state_bytes(params, len(trainable))
@@ -132,8 +133,10 @@ def test_muon_step_is_orthogonalized_and_the_planner_bounds_its_temporaries():
     for kind in ("muon", "adamw"):
         w = torch.nn.Parameter(torch.randn(a, b) * 0.02)
         before = w.detach().clone()
-        cfg = spec_cfg if kind == "muon" else train_cfg("train.lr=1e-3", "train.warmup_ratio=0")
-        opt = Optimizers([w], cfg, vocab_size=1000)
+        cfg = (
+            spec_cfg if kind == "muon" else train_cfg("train.optimizer=adamw", "train.lr=1e-3", "train.warmup_ratio=0")
+        )
+        opt = Optimizers([w], cfg, [w])
         w.grad = torch.randn(a, b)
         opt.step()
         s = torch.linalg.svdvals((w.detach() - before).double())

@@ -427,7 +427,7 @@ def test_seed_plan_renders_its_breakdown():
         "captured hidden states",
         "drafter weights (fp32)",
         "gradients (fp32)",
-        "optimizer states (AdamW, fp32)",
+        "optimizer states (Muon + AdamW, fp32)",  # the default train.optimizer
         "drafter activations (saved for backward)",
         "fused loss workspace",
         "allocator margin",

@@ -195,7 +195,7 @@ class LossConfig(Section):
     """L = sum_i w_i [(1-a) CE + a T^2 KL(q^T || p^T) + tv TV(p, q)] / sum_i w_i + lambda * CAP (DESIGN.md section 3)."""
 
     position_weights: Literal["exp_decay", "dpace"] = Field(
-        "exp_decay",
+        "dpace",
         description="w_i of a block's slots: exp_decay (DFlash's exp(-(k-1)/gamma)) or dpace (D-PACE: the block "
         "credit sum_{k>=t} prod_{i<=k} (alpha + (1-alpha) p_i(y_i)) of the student's detached label probabilities)",
     )
@@ -231,17 +231,18 @@ class CaptureConfig(Section):
 
 
 class TrainConfig(Section):
-    """Optimizer, schedule and bookkeeping (``training/optim.py``)."""
+    """Optimizer, schedule and bookkeeping (``training/optim.py``). The defaults (Muon, WSD, with
+    ``loss.position_weights=dpace``) are the recipe that measured best (benchmarks/results/recipes.md)."""
 
     seed: int = 0
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw",
+        "muon",
         description="adamw, or muon: torch.optim.Muon on the drafter's hidden matrices (learning rate matched "
         "to AdamW's update RMS), AdamW on the rest (norms, biases, vocabulary-sized tensors)",
     )
     lr: float = Field(6e-4, gt=0.0)
     schedule: Literal["cosine", "linear", "wsd"] = Field(
-        "cosine",
+        "wsd",
         description="after the warmup: cosine or linear decay to min_lr_ratio, or wsd (warmup-stable-decay: "
         "constant, then linear decay over the last decay_ratio of the steps)",
     )

@@ -192,7 +192,7 @@ def optimizer_step_transient(params: int, largest_param: int, device: str) -> in
 
 
 def muon_matrix_shapes(w: Workload, d: DrafterDims) -> list[tuple[int, int]]:
-    """The matrices ``train.optimizer=muon`` gives to Muon (``training.optim.is_muon_matrix``): ``fc``,
+    """The matrices ``train.optimizer=muon`` gives to Muon (``training.optim.muon_matrices``): ``fc``,
     every layer's projections and MLP, the variant's 2-D tensors without a vocabulary-sized side."""
     from ..variants import variant_of
 

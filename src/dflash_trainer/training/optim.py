@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..config import RunConfig
+from ..variants import variant_of
 
 MUON_LR_MATCH = "match_rms_adamw"
 
@@ -57,20 +58,24 @@ def schedule_factor(cfg: RunConfig):
     return fn
 
 
-def is_muon_matrix(p: torch.Tensor, vocab_size: int) -> bool:
-    """Whether ``train.optimizer=muon`` updates ``p`` with Muon: a hidden matrix (2-D, no side of the
-    vocabulary's size: a DFlash2 selector's factors stay on AdamW like an embedding would)."""
-    return p.dim() == 2 and vocab_size not in p.shape
+def muon_matrices(drafter) -> list[torch.nn.Parameter]:
+    """The parameters ``train.optimizer=muon`` updates with Muon: the drafter's hidden matrices (every
+    trainable 2-D parameter but the variant's vocabulary-sized tables: Muon's authors keep embeddings
+    and heads on AdamW). By name, not by shape: an MLP as wide as the vocabulary is still a matrix."""
+    tables = set(variant_of(drafter.spec).vocabulary_tables)
+    return [p for n, p in drafter.named_parameters() if p.requires_grad and p.dim() == 2 and n not in tables]
 
 
 class Optimizers:
     """The run's optimizers and their schedulers, stepped together. ``state_dict`` keys: ``optimizer``
     and ``scheduler`` (AdamW, always present), ``muon_optimizer`` and ``muon_scheduler`` (Muon only)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig, vocab_size: int):
+    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig, muon: list[torch.nn.Parameter]):
+        """``params``: every parameter; ``muon``: those Muon updates under ``train.optimizer=muon``
+        (``muon_matrices``), ignored under adamw."""
         tr = cfg.train
         params = [p for p in params if p.requires_grad]
-        muon = [p for p in params if tr.optimizer == "muon" and is_muon_matrix(p, vocab_size)]
+        muon = list(muon) if tr.optimizer == "muon" else []
         in_muon = {id(p) for p in muon}
         rest = [p for p in params if id(p) not in in_muon]
         decay = [p for p in rest if p.dim() > 1]

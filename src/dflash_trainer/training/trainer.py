@@ -49,7 +49,7 @@ from .checkpoint import (
     save_training_checkpoint,
 )
 from .distributed import StepPlan
-from .optim import Optimizers, resolve_epochs
+from .optim import Optimizers, muon_matrices, resolve_epochs
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
 
 EVAL_SEED = 1234  # anchors of the periodic evaluation: the same blocks at every evaluation
@@ -197,7 +197,7 @@ class Trainer:
         self.forward = self.drafter
         if self.data_parallel:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.drafter, process_group=group)
-        self.optimizers = Optimizers(list(self.drafter.parameters()), cfg, target.vocab_size)
+        self.optimizers = Optimizers(list(self.drafter.parameters()), cfg, muon_matrices(self.drafter))
         self.c = Counters()
         self.plan = (
             feed.plan

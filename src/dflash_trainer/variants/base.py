@@ -21,6 +21,9 @@ class Variant:
     speculators_type = "dflash"  # the ``speculators_model_type`` of its speculators export
     head_names: tuple[str, ...] = ()  # attribute names ``heads`` may add (their tensors' name prefixes)
     logged_metrics: tuple[str, ...] = ()  # scalar metrics of ``loss`` the trainer logs each step (metrics.jsonl)
+    # parameter names of the variant's vocabulary-sized tables (embeddings, codebooks, a vocabulary
+    # head): train.optimizer=muon keeps them on AdamW, as Muon's authors keep embeddings and heads
+    vocabulary_tables: tuple[str, ...] = ()
     # speculators' config default of ``sliding_window_non_causal`` for this ``speculators_type``
     speculators_non_causal_default = False
     # z-lab's layout: the class of z-lab's package that loads it (None: the layout cannot hold the

@@ -177,6 +177,7 @@ class DFlash2Variant(Variant):
     speculators_type = "dflash2"
     speculators_non_causal_default = True  # DFlash2SpeculatorConfig's default (DFlash's is false)
     head_names = ("candidate_selector",)
+    vocabulary_tables = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
     logged_metrics = ("selector_ce", "candidate_recall", "selector_accuracy")
     zlab_architecture = "DFlash2DraftModel"
     zlab_fields = CONFIG_FIELDS

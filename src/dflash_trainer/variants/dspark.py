@@ -91,6 +91,7 @@ class DSparkVariant(Variant):
     speculators_type = "dspark"
     zlab_architecture = None  # z-lab's layout has no Markov or confidence head
     head_names = ("markov_head", "confidence_head")
+    vocabulary_tables = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
     def read_speculators_config(self, cfg: dict, where: str) -> dict:
         """The heads' settings of a speculators ``dspark`` config (``speculators_config`` above); a
