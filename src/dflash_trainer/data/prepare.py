@@ -472,8 +472,22 @@ def ensure_prepared(
     from .storage import PreparedData, StorageError
 
     folder = Path(root or cache_root()) / request.key()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+    if folder.parent.exists() and not folder.parent.is_dir():
+        raise UserError(f"the data cache {folder.parent} is not a folder: set data.cache_dir (or DFLASH_DATA_CACHE)")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(folder.parent / f".{folder.name}.lock", "a")
+    except OSError as exc:
+        # A read-only cache (a shared data set mount): nobody can be writing in it, so its complete,
+        # up-to-date storage is used as it is, without the lock; anything else cannot be prepared there.
+        data = _read_only_cache(folder, log)
+        if data is None:
+            raise UserError(
+                f"the data cache {folder.parent} is not writable ({exc.strerror}) and holds no up-to-date prepared "
+                "data for this run: set data.cache_dir (or DFLASH_DATA_CACHE) to a writable folder"
+            ) from None
+        return data
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         reason = None
         if (folder / "manifest.json").is_file():
@@ -491,3 +505,20 @@ def ensure_prepared(
             log(f"data: preparing {folder} (first use of these inputs and settings)")
         prepare_data(request, tokenizer, folder, num_workers=num_workers, progress=progress)
         return PreparedData(folder)
+
+
+def _read_only_cache(folder: Path, log):
+    """The storage in ``folder`` of a cache that cannot be written, or None when it is absent, damaged
+    or its inputs changed since."""
+    from .storage import PreparedData, StorageError
+
+    if not (folder / "manifest.json").is_file():
+        return None
+    try:
+        data = PreparedData(folder)
+    except StorageError:
+        return None
+    if changed_inputs(data.manifest):
+        return None
+    log(f"data: prepared storage {folder} (reused from a read-only cache: inputs and settings unchanged)")
+    return data

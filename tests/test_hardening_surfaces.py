@@ -1,0 +1,294 @@
+"""Hostile-but-honest inputs against the newer surfaces (issue 39): prepared data and its cache,
+feature caches, foreign drafter folders, variant settings, the vLLM engine and server paths. Each
+ends in one error line naming the file or field and the fix (exit 2), or the correct result; never a
+traceback, a silent wait or a silent wrong result. Every field of a manifest or foreign config is tried,
+not only the one that was found."""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_trainer.data.prepare import DataRequest, ensure_prepared, prepare_data, tokenizer_fingerprint
+from dflash_trainer.data.storage import PreparedData, StorageError
+from dflash_trainer.errors import UserError
+from dflash_trainer.tiny_target import tiny_target_path
+
+CHAT = {
+    "messages": [
+        {"role": "user", "content": "Sum a list."},
+        {"role": "assistant", "content": "def f(x): return sum(x)"},
+    ]
+}
+
+
+def cli(*args, timeout=300, env=None):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-train: error: "), err
+    return lines[0]
+
+
+def leaves(value, prefix=()):
+    """Every (path, value) of a JSON object, its objects and lists walked."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, (*prefix, k))
+    elif isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            yield from leaves(v, (*prefix, i))
+    else:
+        yield prefix, value
+
+
+def wrong_type(value):
+    """A value of another JSON type than ``value``."""
+    if isinstance(value, bool) or value is None:
+        return "yes"
+    if isinstance(value, (int, float)):
+        return "many"
+    if isinstance(value, str):
+        return 7
+    return {"a": 1} if isinstance(value, list) else ["a"]
+
+
+def edited(obj, path, value=None, delete=False):
+    obj = copy.deepcopy(obj)
+    at = obj
+    for k in path[:-1]:
+        at = at[k]
+    if delete:
+        del at[path[-1]]
+    else:
+        at[path[-1]] = value
+    return obj
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_path(), local_files_only=True)
+
+
+def request(tok, train, seq_len=48) -> DataRequest:
+    return DataRequest(
+        train_paths=tuple(train),
+        eval_paths=(),
+        holdout="fraction",
+        eval_fraction=0.2,
+        seq_len=seq_len,
+        min_tokens=5,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        max_record_bytes=1 << 20,
+        tokenizer=tokenizer_fingerprint(tok),
+    )
+
+
+def chats(n):
+    return "".join(
+        json.dumps({**CHAT, "messages": [CHAT["messages"][0] | {"content": f"task {i}"}, CHAT["messages"][1]]}) + "\n"
+        for i in range(n)
+    )
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tok):
+    tmp = tmp_path_factory.mktemp("prepared")
+    (tmp / "d.jsonl").write_text(chats(20))
+    return prepare_data(request(tok, [str(tmp / "d.jsonl")]), tok, tmp / "p", num_workers=1, progress=False)
+
+
+# ---------------------------------------------------------------- prepared data: every manifest field
+
+
+def _manifest_cases():
+    # The fields of a manifest as prepare writes it (the fixture's, read at collection: one case each).
+    sample = {
+        "format": "f",
+        "version": 1,
+        "settings": {
+            "train_paths": ["a"],
+            "eval_paths": [],
+            "holdout": "fraction",
+            "eval_fraction": 0.2,
+            "seq_len": 48,
+            "min_tokens": 5,
+            "vocab_size": 9,
+            "pad_token_id": 0,
+            "max_record_bytes": 1,
+            "columns": {},
+            "tokenizer": "h",
+        },
+        "inputs": {"train": [{"path": "a", "bytes": 1, "mtime_ns": 1}], "eval": []},
+        "splits": {s: {"documents": 1, "rows": 1, "tokens": 1} for s in ("train", "eval")},
+        "n_tokens": 1,
+        "n_documents": 1,
+        "files": {
+            n: {"name": "x.bin", "dtype": "int64", "shape": [1], "bytes": 8, "sha256": "s"}
+            for n in ("tokens", "loss_mask", "doc_offsets", "train_rows", "train_pieces", "eval_rows", "eval_pieces")
+        },
+    }
+    out = []
+    for path, _ in leaves(sample):
+        if path[0] in ("format", "version"):
+            continue  # their own messages (another format, another version), tested elsewhere
+        out.append(pytest.param(path, "wrong", id="wrong-" + ".".join(map(str, path))))
+        if not isinstance(path[-1], int):
+            out.append(pytest.param(path, "missing", id="missing-" + ".".join(map(str, path))))
+    return out
+
+
+@pytest.mark.parametrize("path, damage", _manifest_cases())
+def test_every_prepared_manifest_field_of_the_wrong_type_or_missing_is_one_line(prepared, tmp_path, path, damage):
+    folder = tmp_path / "p"
+    shutil.copytree(prepared, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if path[0] == "inputs" and path[1] == "eval" and not manifest["inputs"]["eval"]:
+        path = path[:2]  # an empty list has no items: the list itself
+    if damage == "missing":
+        manifest = edited(manifest, path, delete=True)
+    else:
+        at = manifest
+        for k in path:
+            at = at[k]
+        manifest = edited(manifest, path, wrong_type(at))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        StorageError, match=rf"manifest {folder / 'manifest.json'}: field .*prepare the data again"
+    ) as e:
+        PreparedData(folder).rows("train")[0]
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["tokens", "train_pieces", "doc_offsets"])
+def test_a_manifest_shape_larger_than_the_file_is_one_line_not_an_mmap_error(prepared, tmp_path, name):
+    folder = tmp_path / "p"
+    shutil.copytree(prepared, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name]["shape"][0] += 1000
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StorageError, match=rf"field files.{name} is inconsistent"):
+        PreparedData(folder)
+
+
+def test_verify_of_a_manifest_without_splits_is_one_line(prepared, tmp_path):
+    folder = tmp_path / "p"
+    shutil.copytree(prepared, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["splits"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = cli("prepare-data", "--verify", str(folder))
+    assert code == 2 and "field splits" in one_error_line(err)
+
+
+def test_bit_rotted_tokens_with_their_mtime_kept_are_caught_where_rows_enter_training(prepared, tmp_path):
+    folder = tmp_path / "p"
+    shutil.copytree(prepared, folder, copy_function=shutil.copy2)
+    tokens = folder / "tokens.bin"
+    st = tokens.stat()
+    raw = bytearray(tokens.read_bytes())
+    raw[0:4] = np.uint32(4_000_000_000).tobytes()  # the first token of the first document
+    tokens.write_bytes(bytes(raw))
+    os.utime(tokens, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # stamps.json still matches: opening skips the sha256; the row is refused when it is read
+    data = PreparedData(folder)
+    rows = data.rows("train")
+    bad = [i for i in range(len(rows)) if int(rows.pieces[rows.offsets[i], 0]) == 0][0]
+    with pytest.raises(StorageError, match=rf"{tokens} is corrupt: row {bad} holds token id 4000000000.*--verify"):
+        rows[bad]
+
+
+def test_prepare_data_out_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text(chats(10))
+    (tmp_path / "f").write_text("x")
+    code, _, err = cli(
+        "prepare-data",
+        "--config",
+        "tiny-demo",
+        "--set",
+        f"data.train_files=[{tmp_path / 'd.jsonl'}]",
+        "--out",
+        str(tmp_path / "f"),
+    )
+    assert code == 2 and "--out" in one_error_line(err) and "is a file, not a folder" in err
+
+
+def _mount(path: Path, ro: bool):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    opts = ("remount,ro" if ro else "remount,rw") if path.is_mount() else "size=4m"
+    args = (
+        ["mount", "-o", opts, str(path)]
+        if path.is_mount()
+        else ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)]
+    )
+    if subprocess.run(args).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+
+
+def test_a_read_only_cache_is_used_when_it_holds_the_data_and_named_when_it_does_not(tmp_path, tok):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chats(20))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _mount(cache, ro=False)
+    try:
+        _mount(cache, ro=True)  # empty and read-only: nothing to use, nothing can be written
+        with pytest.raises(UserError, match=rf"the data cache {cache} is not writable .*set data.cache_dir"):
+            ensure_prepared(request(tok, [str(data)]), tok, root=cache, progress=False, log=lambda _: None)
+        _mount(cache, ro=False)
+        first = ensure_prepared(request(tok, [str(data)]), tok, root=cache, progress=False, log=lambda _: None)
+        _mount(cache, ro=True)  # a filled shared mount: used as it is
+        logs = []
+        again = ensure_prepared(request(tok, [str(data)]), tok, root=cache, progress=False, log=logs.append)
+        assert again.folder == first.folder and "read-only cache" in logs[-1] and len(again.rows("train")) > 0
+        with pytest.raises(UserError, match="is not writable"):  # other settings: not there, cannot be made
+            ensure_prepared(request(tok, [str(data)], seq_len=32), tok, root=cache, progress=False, log=lambda _: None)
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+
+
+def test_a_killed_prepare_data_leaves_no_temporary_folder_after_the_next_start(tmp_path, tok):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chats(2000))
+    cache = tmp_path / "cache"
+    code = (
+        "import sys, time; from dflash_trainer.data import prepare as p; "
+        "from transformers import AutoTokenizer; from dflash_trainer.tiny_target import tiny_target_path\n"
+        "tok = AutoTokenizer.from_pretrained(tiny_target_path(), local_files_only=True)\n"
+        "req = p.DataRequest(train_paths=(sys.argv[1],), eval_paths=(), holdout='fraction', eval_fraction=0.2, seq_len=48,"
+        " min_tokens=5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, max_record_bytes=1 << 20,"
+        " tokenizer=p.tokenizer_fingerprint(tok))\n"
+        "orig = p.tokenize_batch\n"
+        "def slow(batch):\n    print('writing', flush=True); time.sleep(60); return orig(batch)\n"
+        "p.tokenize_batch = slow\n"
+        "p.ensure_prepared(req, tok, root=sys.argv[2], num_workers=1, progress=False)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(data), str(cache)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "writing\n" in iter(proc.stdout.readline, "")  # it is writing its temporary folder
+    finally:
+        proc.kill()
+        proc.wait()
+    left = [p for p in cache.iterdir() if p.is_dir()]
+    assert len(left) == 1 and left[0].name.startswith(".")  # the killed run's temporary folder
+    ensure_prepared(request(tok, [str(data)]), tok, root=cache, num_workers=1, progress=False, log=lambda _: None)
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [request(tok, [str(data)]).key()]
