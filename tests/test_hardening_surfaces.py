@@ -292,3 +292,319 @@ def test_a_killed_prepare_data_leaves_no_temporary_folder_after_the_next_start(t
     assert len(left) == 1 and left[0].name.startswith(".")  # the killed run's temporary folder
     ensure_prepared(request(tok, [str(data)]), tok, root=cache, num_workers=1, progress=False, log=lambda _: None)
     assert [p.name for p in cache.iterdir() if p.is_dir()] == [request(tok, [str(data)]).key()]
+
+
+# ---------------------------------------------------------------- foreign drafter folders: every field read
+
+LAYER = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "layer_types": ["full_attention", "full_attention"],
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+ZLAB = {
+    **LAYER,
+    "architectures": ["DFlashDraftModel"],
+    "num_target_layers": 8,
+    "block_size": 8,
+    "dflash_config": {
+        "mask_token_id": 3,
+        "target_layer_ids": [1, 3, 5],
+        "block_size": 8,
+        "output_multiplier": 1.0,
+        "final_logit_softcapping": None,
+        "input_embedding_scale": 1.0,
+        "causal_in_block_sliding": False,
+        "target_model_path": "t",
+        "pure_draft_prefix_len": 0,
+        "shift_label": False,
+    },
+}
+SPECULATORS = {
+    "speculators_model_type": "dflash",
+    "transformer_layer_config": LAYER,
+    "aux_hidden_state_layer_ids": [2, 4, 6],
+    "mask_token_id": 3,
+    "draft_vocab_size": 8192,
+    "block_size": 8,
+    "sliding_window_non_causal": False,
+    "sample_from_anchor": False,
+    "speculators_config": {"verifier": {"name_or_path": "t"}},
+}
+
+
+def _foreign_cases():
+    out = []
+    for fmt, cfg in (("zlab", ZLAB), ("speculators", SPECULATORS)):
+        for path, _ in leaves(cfg):
+            if path in (("speculators_model_type",), ("architectures", 0)):
+                continue  # what says which reader applies
+            out.append(
+                pytest.param(
+                    fmt, path[:-1] if isinstance(path[-1], int) else path, id=f"{fmt}-" + ".".join(map(str, path))
+                )
+            )
+    return out
+
+
+@pytest.mark.parametrize("fmt, path", _foreign_cases())
+def test_every_foreign_config_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, fmt, path):
+    from dflash_trainer.export.layouts import read_drafter_folder
+
+    cfg = ZLAB if fmt == "zlab" else SPECULATORS
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    read_drafter_folder(tmp_path)  # the good folder reads
+    at = cfg
+    for k in path:
+        at = at[k]
+    (tmp_path / "config.json").write_text(json.dumps(edited(cfg, path, wrong_type(at))))
+    with pytest.raises(
+        UserError, match=rf"config.json: field {'.'.join(map(str, path))}\b.*export the drafter again"
+    ) as e:
+        read_drafter_folder(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit", [{"block_size": "eight"}, {"dflash_config": "x"}])
+def test_a_damaged_foreign_config_through_export_check_is_exit_2_with_one_line(tmp_path, edit):
+    (tmp_path / "config.json").write_text(json.dumps({**ZLAB, **edit}))
+    code, _, err = cli("export", "--check", str(tmp_path))
+    assert code == 2 and f"field {next(iter(edit))}" in one_error_line(err)
+
+
+# ---------------------------------------------------------------- feature caches: every manifest field
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("features")
+    (tmp / "d.jsonl").write_text(chats(20))
+    code, _, err = cli(
+        "capture",
+        "--config",
+        "tiny-demo",
+        "--no-progress",
+        "--out",
+        str(tmp / "f"),
+        "--set",
+        f"data.train_files=[{tmp / 'd.jsonl'}]",
+        "--set",
+        "data.seq_len=48",
+        env={"DFLASH_DATA_CACHE": str(tmp / "cache")},
+    )
+    assert code == 0, err
+    return tmp / "f"
+
+
+def _cache_cases():
+    sample = {
+        "settings": {"storage_dtype": "float32", "teacher": True, "layer_ids": [1], "seq_len": 1, "hidden_size": 1},
+        "target": {},
+        "data": {},
+        "splits": {"train": 1},
+        "row_bytes": {"train": 1},
+        "rows_per_shard": 1,
+        "key": "k",
+    }
+    shard = {"rows": [0], "bytes": 1, "sha256": "s", "stamp": [1, 2]}
+    out = []
+    for file, fields in (("capture.json", sample), ("manifest.json", {**sample, "bytes": 1, "shards": {"S": shard}})):
+        for path, _ in leaves(fields):
+            path = path[:-1] if isinstance(path[-1], int) else path
+            out.append(pytest.param(file, path, "wrong", id=f"{file}-wrong-" + ".".join(map(str, path))))
+            if path[-1] not in ("target", "data") and path[0] not in ("splits", "row_bytes"):  # maps, not fields
+                out.append(pytest.param(file, path, "missing", id=f"{file}-missing-" + ".".join(map(str, path))))
+    return list({p.id: p for p in out}.values())
+
+
+@pytest.mark.parametrize("file, path, damage", _cache_cases())
+def test_every_feature_cache_field_of_the_wrong_type_or_missing_is_one_line(features, tmp_path, file, path, damage):
+    from dflash_trainer.features.store import CacheError, FeatureStore
+
+    folder = tmp_path / "f"
+    shutil.copytree(features, folder)
+    value = json.loads((folder / file).read_text())
+    if path[0] == "shards":
+        path = ("shards", next(iter(value["shards"])), *path[2:])
+    if path[0] == "splits":
+        path = ("splits", "train")
+    at = value
+    for k in path:
+        at = at[k]
+    value = edited(value, path, delete=True) if damage == "missing" else edited(value, path, wrong_type(at))
+    (folder / file).write_text(json.dumps(value))
+    with pytest.raises(
+        CacheError, match=rf"{file}: field {'.'.join(map(str, path))}\b.*(capture again|rewrite it)"
+    ) as e:
+        FeatureStore(folder)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- our own checkpoint, speculate's numbers
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt")
+    (tmp / "d.jsonl").write_text(chats(20))
+    code, _, err = cli(
+        "train",
+        "--config",
+        "tiny-demo",
+        "--no-progress",
+        "--set",
+        f"data.train_files=[{tmp / 'd.jsonl'}]",
+        "--set",
+        "data.seq_len=48",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "drafter.num_layers=1",
+        "--set",
+        f"output_dir={tmp / 'run'}",
+        env={"DFLASH_DATA_CACHE": str(tmp / "cache")},
+    )
+    assert code == 0, err
+    return tmp / "run" / "checkpoints" / "step-0000001", tmp / "d.jsonl"
+
+
+def test_a_truncated_drafter_safetensors_in_our_checkpoint_is_one_line(checkpoint, tmp_path):
+    ckpt, data = checkpoint
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(ckpt, damaged)
+    weights = damaged / "drafter.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code, _, err = cli(
+        "speculate",
+        "--drafter",
+        str(damaged),
+        "--input",
+        str(data),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--max-new-tokens",
+        "4",
+        "--limit",
+        "1",
+    )
+    assert code == 2 and f"checkpoint weights {weights} cannot be read" in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--confidence-threshold", "nan"), ("--temperature", "nan"), ("--temperature", "inf")]
+)
+def test_speculate_numbers_that_are_not_numbers_are_refused(checkpoint, tmp_path, flag, value):
+    ckpt, data = checkpoint
+    code, _, err = cli(
+        "speculate", "--drafter", str(ckpt), "--input", str(data), "--output", str(tmp_path / "o.jsonl"), flag, value
+    )
+    assert code == 2 and f"{flag} must be" in one_error_line(err) and value in err
+
+
+# ---------------------------------------------------------------- vLLM engine and --server
+
+
+def generate(tmp_path, *args, env=None, timeout=120):
+    (tmp_path / "in.jsonl").write_text(chats(2))
+    return cli(
+        "generate",
+        "--config",
+        "tiny-demo",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--no-progress",
+        *args,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_a_vllm_python_that_is_not_executable_is_one_line_before_any_work(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o644)
+    code, _, err = generate(tmp_path, "--engine", "vllm", env={"DFLASH_VLLM_PYTHON": str(python)})
+    assert code == 2 and f"DFLASH_VLLM_PYTHON={python} is not executable" in one_error_line(err)
+
+
+class _Listener:
+    """A real TCP server on 127.0.0.1 that answers every connection with ``answer(request bytes)`` (None:
+    accept and never answer)."""
+
+    def __init__(self, answer):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answer, self.held = answer, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            request = conn.recv(65536)
+            reply = self.answer(request)
+            if reply is None:
+                self.held.append(conn)  # accepted, never answered
+                continue
+            conn.sendall(reply)
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+def _http(body: bytes, ctype="application/json") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype.encode() + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+MODELS = _http(b'{"object": "list", "data": [{"id": "tiny", "object": "model"}]}')
+
+
+@pytest.mark.parametrize(
+    "answer, needle",
+    [
+        (lambda r: _http(b"<html><body>Welcome to nginx</body></html>", "text/html"), "not JSON ('<html>"),
+        (lambda r: _http(b'{"data": [{"object": "model"}]}'), "/v1/models: field data.0.id"),
+        (lambda r: _http(b'{"data": "tiny"}'), "/v1/models: field data"),
+        (lambda r: b"SSH-2.0-OpenSSH_9.6\r\n", "did not answer /v1/models in HTTP"),
+        (lambda r: MODELS if b"/v1/models" in r else _http(b'{"choices": []}'), "/v1/completions: field choices"),
+        (lambda r: MODELS if b"/v1/models" in r else _http(b'{"choices": [{"text": 5}]}'), "field choices.0.text"),
+        (lambda r: None, "did not answer /v1/models within 2 s"),
+    ],
+    ids=["html", "model-without-id", "data-a-string", "not-http", "no-choices", "text-a-number", "never-answers"],
+)
+def test_generate_server_that_is_not_an_openai_server_is_one_line(tmp_path, answer, needle):
+    import time
+
+    server = _Listener(answer)
+    try:
+        t0 = time.monotonic()
+        code, _, err = generate(tmp_path, "--server", server.url, env={"DFLASH_SERVER_TIMEOUT": "2"})
+        assert code == 2 and needle in one_error_line(err) and server.url in err
+        assert time.monotonic() - t0 < 60  # named, not waited on
+    finally:
+        server.close()

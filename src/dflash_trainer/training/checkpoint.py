@@ -357,5 +357,17 @@ def load_drafter(path: Path, target, dtype: torch.dtype = torch.float32) -> tupl
     spec = checkpoint_spec(meta, target.config)
     check_against_target(spec, meta["target"]["layer_ids"], target, f"checkpoint {path}")
     drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight)
-    drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS)))
+    weights = Path(path) / WEIGHTS
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(
+            f"checkpoint weights {weights} cannot be read ({exc}): the checkpoint is damaged; use another one "
+            "(dflash-train train resumes from the last good one)"
+        ) from None
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"checkpoint weights {weights} do not fit the drafter its config describes ({first})") from None
     return drafter.to(dtype).eval(), meta
