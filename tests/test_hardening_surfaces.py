@@ -608,3 +608,56 @@ def test_generate_server_that_is_not_an_openai_server_is_one_line(tmp_path, answ
         assert time.monotonic() - t0 < 60  # named, not waited on
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- silent wrong results
+
+
+def test_an_input_edited_in_place_with_size_and_mtime_kept_is_prepared_again(tmp_path, tok):
+    data = tmp_path / "d.jsonl"
+    data.write_text(chats(20))
+    logs = []
+    first = ensure_prepared(request(tok, [str(data)]), tok, root=tmp_path / "c", progress=False, log=logs.append)
+    st = data.stat()
+    data.write_text(data.read_text().replace("task 1", "TASK 1"))  # same size, other tokens
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert data.stat().st_size == st.st_size
+    again = ensure_prepared(request(tok, [str(data)]), tok, root=tmp_path / "c", progress=False, log=logs.append)
+    assert "preparing" in logs[-1] and "changed (its first or last 64 KiB)" in logs[-1]
+    assert again.folder == first.folder
+    assert again.rows("train")[0] is not None
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["drafter.dspark.markov_rank=8"], "drafter.dspark.markov_rank is set but drafter.variant is dflash"),
+        (["drafter.dflash2.selector_top_k=4"], "drafter.dflash2.selector_top_k is set but drafter.variant is dflash"),
+        (
+            ["drafter.variant=dspark", "drafter.dflash2.conv_kernel_size=3"],
+            "drafter.dflash2.conv_kernel_size is set but drafter.variant is dspark",
+        ),
+        (
+            ["drafter.variant=dflash2", "drafter.dspark.sample_from_anchor=false"],
+            "drafter.dspark.sample_from_anchor is set but drafter.variant is dflash2",
+        ),
+        (["data.features=/f", "data.prepared=/p"], "data.features and data.prepared are both set"),
+    ],
+)
+def test_settings_that_would_be_ignored_are_refused_naming_them(tmp_path, overrides, needle):
+    from dflash_trainer.config import load_config
+    from dflash_trainer.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        load_config(["tiny-demo"], overrides)
+    sets = [a for o in overrides for a in ("--set", o)]
+    code, _, err = cli("train", "--config", "tiny-demo", *sets, "--set", f"output_dir={tmp_path / 'run'}")
+    assert code == 2 and needle in one_error_line(err)
+
+
+@pytest.mark.parametrize("preset", ["tiny-demo", "tiny-demo-dspark", "tiny-demo-dflash2"])
+def test_a_resolved_run_yaml_of_each_variant_loads_again(tmp_path, preset):
+    from dflash_trainer.config import load_config, write_resolved_config
+
+    path = write_resolved_config(load_config([preset]), tmp_path / "run")
+    assert load_config([str(path)]) == load_config([preset])

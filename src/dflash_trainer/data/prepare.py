@@ -143,12 +143,28 @@ def _resolved(path: str) -> str:
     return str(p.resolve()) if p.exists() else path  # a Hub name stays a name
 
 
+PROBE_BYTES = 64 << 10
+
+
+def _probe(path: Path, size: int) -> str:
+    """sha256 of a file's first and last ``PROBE_BYTES`` (all of a small file): an edit there is seen
+    even when the size and modification time were kept; 128 KiB read per file, whatever its size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(PROBE_BYTES))
+        if size > PROBE_BYTES:
+            f.seek(max(PROBE_BYTES, size - PROBE_BYTES))
+            h.update(f.read(PROBE_BYTES))
+    return h.hexdigest()
+
+
 def input_files(paths) -> list[dict]:
-    """``[{path, bytes, mtime_ns}]`` of the files ``paths`` name: what "the inputs changed" compares."""
+    """``[{path, bytes, mtime_ns, probe}]`` of the files ``paths`` name: what "the inputs changed" compares."""
     out = []
     for f in expand_paths(list(paths)):
         st = f.stat()
-        out.append({"path": str(f.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+        probe = _probe(f, st.st_size) if f.is_file() else None  # a datasets folder's files are listed one by one
+        out.append({"path": str(f.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "probe": probe})
     return out
 
 
@@ -434,6 +450,8 @@ def changed_inputs(manifest: dict) -> list[str]:
         for path in before.keys() & now.keys():
             if (before[path]["bytes"], before[path]["mtime_ns"]) != (now[path]["bytes"], now[path]["mtime_ns"]):
                 out.append(f"{path} changed (size or modification time)")
+            elif before[path].get("probe", now[path]["probe"]) != now[path]["probe"]:
+                out.append(f"{path} changed (its first or last {PROBE_BYTES >> 10} KiB)")
     return sorted(out)
 
 

@@ -90,6 +90,7 @@ class _Input(_Strict):
     path: str
     bytes: int
     mtime_ns: int
+    probe: str | None = None  # absent in storage prepared before it was recorded
 
 
 class _Split(_Strict):
