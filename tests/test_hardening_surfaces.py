@@ -661,3 +661,77 @@ def test_a_resolved_run_yaml_of_each_variant_loads_again(tmp_path, preset):
 
     path = write_resolved_config(load_config([preset]), tmp_path / "run")
     assert load_config([str(path)]) == load_config([preset])
+
+
+# ---------------------------------------------------------------- DFlash2 on more than one thread
+
+
+def test_dflash2_selector_codebook_gradients_are_the_same_on_every_run_at_two_threads():
+    """Indexing a parameter (``W[ids]``) backpropagates through index_put_ with atomic float adds on more
+    than one CPU thread: sums in another order each run. The selector reads its codebooks with
+    F.embedding, whose backward is deterministic."""
+    import torch
+
+    from dflash_trainer.variants.dflash2 import CandidateSelector
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        selector = CandidateSelector(vocab=8192, hidden=64, rank=64, top_k=16)
+        hidden, prev = torch.randn(4096, 64), torch.randint(0, 40, (4096,))
+        candidates = torch.randint(0, 40, (4096, 16))
+
+        def grads():
+            selector.zero_grad()
+            selector.transition(selector.context(hidden, prev), candidates).square().sum().backward()
+            return [p.grad.clone() for p in (selector.predecessor_codebook, selector.successor_codebook)]
+
+        first = grads()
+        for _ in range(5):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_two_dflash2_runs_and_a_resume_at_two_threads_have_bit_identical_losses(tmp_path):
+    import torch
+    from test_train import SMALL, write_data
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.training.setup import prepare
+    from dflash_trainer.training.trainer import Trainer
+
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    common = [
+        *SMALL,
+        f"data.train_files=[{data}]",
+        "drafter.variant=dflash2",
+        "drafter.dflash2.selector_rank=128",
+        "data.max_anchors=32",
+        "train.max_steps=12",
+        "train.eval_every=12",
+        "train.save_every=6",
+    ]
+
+    def losses(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prepared = None
+        for name, resume in (("a", None), ("b", None), ("resumed", "a")):
+            cfg = load_config(["tiny-demo"], [*common, f"output_dir={tmp_path / name}"])
+            prepared = prepared or prepare(cfg)
+            target, tok, rows, eval_rows, _ = prepared
+            trainer = Trainer(
+                cfg, target, tok, rows, eval_rows, out_dir=tmp_path / name, target_path="tiny", progress=False
+            )
+            trainer.fit(resume=str(tmp_path / resume / "checkpoints" / "step-0000006") if resume else None)
+    finally:
+        torch.set_num_threads(threads)
+    a, b, resumed = (losses(tmp_path / n) for n in ("a", "b", "resumed"))
+    assert len(a) == 12 and a == b  # the same run twice: the same bits
+    assert sorted(resumed) == list(range(7, 13)) and all(resumed[s] == a[s] for s in resumed)
