@@ -735,3 +735,26 @@ def test_two_dflash2_runs_and_a_resume_at_two_threads_have_bit_identical_losses(
     a, b, resumed = (losses(tmp_path / n) for n in ("a", "b", "resumed"))
     assert len(a) == 12 and a == b  # the same run twice: the same bits
     assert sorted(resumed) == list(range(7, 13)) and all(resumed[s] == a[s] for s in resumed)
+
+
+def test_bit_rotted_token_ids_in_a_feature_shard_are_caught_where_rows_enter_training(features, tmp_path):
+    import struct
+
+    from dflash_trainer.features.store import CacheError, FeatureStore
+
+    folder = tmp_path / "f"
+    shutil.copytree(features, folder, copy_function=shutil.copy2)
+    shard = folder / "shards" / "train-00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    key = next(k for k in header if k.endswith(".input_ids"))
+    start = 8 + n + header[key]["data_offsets"][0]
+    raw[start : start + 4] = struct.pack("<i", 2_000_000_000)
+    st = shard.stat()
+    shard.write_bytes(bytes(raw))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # its record's size and time still match
+    store = FeatureStore(folder)
+    row = int(key.split(".")[0])
+    with pytest.raises(CacheError, match=rf"{shard} is corrupt: row {row} holds token id 2000000000"):
+        store.rows("train")[row]

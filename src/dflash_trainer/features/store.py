@@ -232,6 +232,19 @@ class CachedRows(Sequence):
         index %= len(self)
         f = self.store.shard_of(self.split, index)
         ids, pos, mask = (f.get_tensor(f"{index}.{k}").long() for k in ("input_ids", "position_ids", "loss_mask"))
+        # where rows enter training, as for prepared data: a shard whose ids bit-rotted with its size and
+        # time kept (so opening skipped its sha256) is named here, not an IndexError in an embedding
+        vocab = (self.store.manifest["data"].get("settings") or {}).get("vocab_size")
+        if isinstance(vocab, int) and ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            path = (
+                self.store.folder
+                / "shards"
+                / f"{shard_name(self.split, index // self.store.rows_per_shard)}.safetensors"
+            )
+            raise CacheError(
+                f"feature shard {path} is corrupt: row {index} holds token id {int(ids.max())} outside the vocabulary "
+                f"of {vocab}; check it with dflash-train capture --verify, then capture again"
+            )
         return PackedRow(ids, pos, mask)
 
 
