@@ -653,6 +653,7 @@ def test_settings_that_would_be_ignored_are_refused_naming_them(tmp_path, overri
     sets = [a for o in overrides for a in ("--set", o)]
     code, _, err = cli("train", "--config", "tiny-demo", *sets, "--set", f"output_dir={tmp_path / 'run'}")
     assert code == 2 and needle in one_error_line(err)
+    assert "(from --set " in err  # the setting's source, not the preset that holds its section
 
 
 @pytest.mark.parametrize("preset", ["tiny-demo", "tiny-demo-dspark", "tiny-demo-dflash2"])
@@ -758,3 +759,68 @@ def test_bit_rotted_token_ids_in_a_feature_shard_are_caught_where_rows_enter_tra
     row = int(key.split(".")[0])
     with pytest.raises(CacheError, match=rf"{shard} is corrupt: row {row} holds token id 2000000000"):
         store.rows("train")[row]
+
+
+@pytest.mark.parametrize(
+    "edit", [{"trained_layer_ids": "1,3,5"}, {"trained_layer_ids": None}, {"step": "six"}, "{not json"]
+)
+def test_a_damaged_export_info_is_one_line(tmp_path, edit):
+    from dflash_trainer.export.formats import read_export_info
+
+    info = {"format": "x", "trained_layer_ids": [1, 3, 5], "checkpoint": "c", "step": 6, "allowed_mismatches": []}
+    text = edit if isinstance(edit, str) else json.dumps({**info, **edit})
+    (tmp_path / "export_info.json").write_text(text)
+    with pytest.raises(UserError, match=r"export_info.json.*export the drafter again") as e:
+        read_export_info(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+CHECKPOINT_FIELDS = [
+    *[
+        ("spec", f)
+        for f in (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "num_layers",
+            "num_features",
+            "block_size",
+            "rms_norm_eps",
+            "rope_theta",
+            "sliding_window_layers",
+            "sliding_window",
+            "causal_in_block_sliding",
+            "noise",
+            "noise_scale",
+            "mask_token_id",
+            "activation_checkpointing",
+            "logit_scale",
+            "logit_softcap",
+        )
+    ],
+    ("spec",),
+    ("target",),
+    ("target", "layer_ids"),
+    ("target", "num_layers"),
+    ("target", "path"),
+    ("step",),
+]
+
+
+@pytest.mark.parametrize("path", CHECKPOINT_FIELDS, ids=[".".join(p) for p in CHECKPOINT_FIELDS])
+def test_every_checkpoint_config_field_of_the_wrong_type_is_one_line(checkpoint, tmp_path, path):
+    from dflash_trainer.training.checkpoint import CONFIG, read_checkpoint_config
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint[0], folder)
+    meta = json.loads((folder / CONFIG).read_text())
+    at = meta
+    for k in path:
+        at = at[k]
+    (folder / CONFIG).write_text(json.dumps(edited(meta, path, wrong_type(at))))
+    with pytest.raises(UserError, match=rf"{CONFIG}: .*field (\S+\.)?{path[-1]}\b.*(use another|damaged)") as e:
+        read_checkpoint_config(folder)
+    assert "\n" not in str(e.value)
