@@ -290,8 +290,10 @@ def test_a_killed_prepare_data_leaves_no_temporary_folder_after_the_next_start(t
         proc.wait()
     left = [p for p in cache.iterdir() if p.is_dir()]
     assert len(left) == 1 and left[0].name.startswith(".")  # the killed run's temporary folder
-    ensure_prepared(request(tok, [str(data)]), tok, root=cache, num_workers=1, progress=False, log=lambda _: None)
-    assert [p.name for p in cache.iterdir() if p.is_dir()] == [request(tok, [str(data)]).key()]
+    # the next start, even with other settings (another cache key), removes the dead writer's folder
+    other = request(tok, [str(data)], seq_len=32)
+    ensure_prepared(other, tok, root=cache, num_workers=1, progress=False, log=lambda _: None)
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [other.key()]
 
 
 # ---------------------------------------------------------------- foreign drafter folders: every field read

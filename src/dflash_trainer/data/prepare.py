@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from ..io import atomic_folder, atomic_write_json
+from ..io import atomic_folder, atomic_write_json, remove_dead_folders
 from .documents import DataReport, document_arrays
 from .records import BadRecord, decode_record
 from .sources import TABLE_SUFFIXES, OversizedLine, RawRecord, expand_paths, iter_raw_records, table_rows
@@ -507,6 +507,10 @@ def ensure_prepared(
         return data
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Folders of killed preparations, of any settings (cache keys hold no dot); a live one is kept.
+        for p in folder.parent.glob(".*"):
+            if p.is_dir():
+                remove_dead_folders(folder.parent / p.name[1:].split(".")[0])
         reason = None
         if (folder / "manifest.json").is_file():
             try:
