@@ -826,3 +826,11 @@ def test_every_checkpoint_config_field_of_the_wrong_type_is_one_line(checkpoint,
     with pytest.raises(UserError, match=rf"{CONFIG}: .*field (\S+\.)?{path[-1]}\b.*(use another|damaged)") as e:
         read_checkpoint_config(folder)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("stamps", ["[]", '"x"', "{not json", '{"tokens": 5}'])
+def test_a_damaged_stamps_json_only_costs_a_sha256_check(prepared, tmp_path, stamps):
+    folder = tmp_path / "p"
+    shutil.copytree(prepared, folder)
+    (folder / "stamps.json").write_text(stamps)
+    assert len(PreparedData(folder).rows("train")) > 0

@@ -202,6 +202,8 @@ class PreparedData:
             stamps = json.loads((self.folder / "stamps.json").read_text())
         except (OSError, ValueError):
             stamps = {}  # copied without it, or damaged: every file's sha256 is checked
+        if not isinstance(stamps, dict):
+            stamps = {}  # damaged the same way
         for name, info in self.manifest["files"].items():
             path = self.folder / info["name"]
             try:
