@@ -834,3 +834,9 @@ def test_a_damaged_stamps_json_only_costs_a_sha256_check(prepared, tmp_path, sta
     shutil.copytree(prepared, folder)
     (folder / "stamps.json").write_text(stamps)
     assert len(PreparedData(folder).rows("train")) > 0
+
+
+def test_eval_temperature_nan_is_refused(checkpoint, tmp_path):
+    ckpt, data = checkpoint
+    code, _, err = cli("eval", str(ckpt), "--data", str(data), "--out", str(tmp_path / "e"), "--temperature", "nan")
+    assert code == 2 and "--temperature must be >= 0, got nan" in one_error_line(err)
