@@ -60,13 +60,39 @@ def atomic_write_json(path: Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_dead_folders(final: Path) -> list[Path]:
+    """The temporary folders of ``atomic_folder(final)`` whose writer is dead (a killed process leaves
+    its ``.NAME.PID.*`` folder behind; a later write of ``final`` removes it). A live writer's folder is
+    left alone. Names carry the pid of the writer on this machine: on a file system shared between
+    machines, a pid alive here may be another machine's dead writer, whose folder is then kept."""
+    gone = []
+    for p in Path(final).parent.glob(f".{Path(final).name}.*"):
+        pid = p.name[len(Path(final).name) + 2 :].split(".")[0]
+        if pid.isdigit() and p.is_dir() and not p.is_symlink() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
 @contextlib.contextmanager
 def atomic_folder(final: Path) -> Iterator[Path]:
     """Yield a temporary folder next to ``final``; when the block ends without an error it replaces
-    ``final`` (an existing ``final`` is removed only after the new one is complete)."""
+    ``final`` (an existing ``final`` is removed only after the new one is complete). Folders that killed
+    writers of ``final`` left behind are removed first."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    remove_dead_folders(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", dir=final.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
@@ -76,7 +102,7 @@ def atomic_folder(final: Path) -> Iterator[Path]:
             if (tmp / name).is_file():
                 _fsync_path(tmp / name)
         if final.exists():
-            old = final.with_name(f".{final.name}.old.{os.getpid()}")
+            old = final.with_name(f".{final.name}.{os.getpid()}.old")
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old)

@@ -221,7 +221,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..model.target import TargetModel
 
     budgets = check_budgets(_parse_positive_ints(args.budgets, "--budgets"))
-    if args.temperature < 0:
+    if not 0 <= args.temperature < float("inf"):  # NaN fails it too
         raise EvalInputError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise EvalInputError(f"--top-p must be in (0, 1], got {args.top_p}")

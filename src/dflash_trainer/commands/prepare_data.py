@@ -61,6 +61,8 @@ def run_prepare_data(args: argparse.Namespace) -> int:
     request = request_for(cfg.data, tokenizer, config.vocab_size, min_tokens=cfg.drafter.block_span + 1)
     if args.out:
         out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out {out} is a file, not a folder: choose an empty or new folder")
         if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
             raise UserError(f"--out {out} exists and is not prepared data: choose an empty or new folder")
         data = PreparedData(prepare_data(request, tokenizer, out, num_workers=cfg.data.num_workers))

@@ -39,8 +39,11 @@ def run_speculate(args: argparse.Namespace) -> int:
     budgets = args.budget or [64]
     if any(b < 1 for b in budgets):
         raise UserError(f"--budget must be >= 1, got {min(budgets)}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    # written so that NaN fails them (every comparison with NaN is false): no check is silently skipped
+    if not (args.temperature >= 0 and args.temperature != float("inf")):
+        raise UserError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 <= args.confidence_threshold <= 1:
+        raise UserError(f"--confidence-threshold must be in [0, 1], got {args.confidence_threshold}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     sampling = args.temperature > 0
@@ -68,8 +71,6 @@ def run_speculate(args: argparse.Namespace) -> int:
             break
     if not prompts:
         raise UserError("no prompts: the input has no chat record with an assistant turn")
-    if args.confidence_threshold < 0 or args.confidence_threshold > 1:
-        raise UserError(f"--confidence-threshold must be in [0, 1], got {args.confidence_threshold}")
     options = {}
     if args.confidence_threshold > 0:
         if not hasattr(drafter, "confidence_head"):

@@ -8,6 +8,7 @@ can print it without a traceback.
 from __future__ import annotations
 
 import difflib
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,11 @@ def _describe(err: dict[str, Any], origins: dict[str, str]) -> str:
     msg = err["msg"]
     if err["type"] in ("value_error", "assertion_error"):
         msg = msg.removeprefix("Value error, ")
+        # A section's own check names the settings it is about: credit the source of the first one named
+        # (the --set that made it), not the preset that holds the section.
+        named = [k for k in origins if k.startswith(dotted + ".") and re.search(rf"\b{re.escape(k)}\b", msg)]
+        if named:
+            where = f" (from {origins[min(named, key=msg.index)]})"
         return f"invalid config{' in section ' + dotted if dotted else ''}{where}: {msg}"
     return f"invalid value for '{dotted}'{where}: {msg}, got {err['input']!r}"
 

@@ -122,6 +122,21 @@ class DrafterConfig(Section):
         False, description="recompute each drafter layer in the backward pass instead of keeping its activations"
     )
 
+    @model_validator(mode="after")
+    def _no_settings_of_another_variant(self) -> DrafterConfig:
+        # Compared with the defaults, not with what was set: a resolved run.yaml holds every section.
+        for name in ("dspark", "dflash2"):
+            section = getattr(self, name)
+            if name == self.variant:
+                continue
+            changed = [k for k in type(section).model_fields if getattr(section, k) != getattr(type(section)(), k)]
+            if changed:
+                raise ValueError(
+                    f"drafter.{name}.{changed[0]} is set but drafter.variant is {self.variant}, which ignores it: "
+                    f"set drafter.variant={name}, or drop the drafter.{name} settings"
+                )
+        return self
+
     @property
     def variant_settings(self) -> VariantSettings:
         """The settings section of ``variant`` (an empty one for DFlash, which has none)."""
@@ -182,6 +197,16 @@ class DataConfig(Section):
         description="a feature cache written by `dflash-train capture`: train from it, without the target body; "
         "null = run the target online",
     )
+
+    @model_validator(mode="after")
+    def _one_source_of_rows(self) -> DataConfig:
+        if self.features and self.prepared:
+            # a feature cache holds its own rows (captured from its prepared data): data.prepared would be ignored
+            raise ValueError(
+                "data.features and data.prepared are both set: a feature cache trains on the rows it was captured "
+                "from; drop data.prepared"
+            )
+        return self
 
     @model_validator(mode="after")
     def _known_columns(self) -> DataConfig:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from ..io import atomic_folder, atomic_write_json
+from ..io import atomic_folder, atomic_write_json, remove_dead_folders
 from .documents import DataReport, document_arrays
 from .records import BadRecord, decode_record
 from .sources import TABLE_SUFFIXES, OversizedLine, RawRecord, expand_paths, iter_raw_records, table_rows
@@ -143,12 +143,28 @@ def _resolved(path: str) -> str:
     return str(p.resolve()) if p.exists() else path  # a Hub name stays a name
 
 
+PROBE_BYTES = 64 << 10
+
+
+def _probe(path: Path, size: int) -> str:
+    """sha256 of a file's first and last ``PROBE_BYTES`` (all of a small file): an edit there is seen
+    even when the size and modification time were kept; 128 KiB read per file, whatever its size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(PROBE_BYTES))
+        if size > PROBE_BYTES:
+            f.seek(max(PROBE_BYTES, size - PROBE_BYTES))
+            h.update(f.read(PROBE_BYTES))
+    return h.hexdigest()
+
+
 def input_files(paths) -> list[dict]:
-    """``[{path, bytes, mtime_ns}]`` of the files ``paths`` name: what "the inputs changed" compares."""
+    """``[{path, bytes, mtime_ns, probe}]`` of the files ``paths`` name: what "the inputs changed" compares."""
     out = []
     for f in expand_paths(list(paths)):
         st = f.stat()
-        out.append({"path": str(f.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+        probe = _probe(f, st.st_size) if f.is_file() else None  # a datasets folder's files are listed one by one
+        out.append({"path": str(f.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "probe": probe})
     return out
 
 
@@ -434,6 +450,8 @@ def changed_inputs(manifest: dict) -> list[str]:
         for path in before.keys() & now.keys():
             if (before[path]["bytes"], before[path]["mtime_ns"]) != (now[path]["bytes"], now[path]["mtime_ns"]):
                 out.append(f"{path} changed (size or modification time)")
+            elif before[path].get("probe", now[path]["probe"]) != now[path]["probe"]:
+                out.append(f"{path} changed (its first or last {PROBE_BYTES >> 10} KiB)")
     return sorted(out)
 
 
@@ -472,9 +490,27 @@ def ensure_prepared(
     from .storage import PreparedData, StorageError
 
     folder = Path(root or cache_root()) / request.key()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+    if folder.parent.exists() and not folder.parent.is_dir():
+        raise UserError(f"the data cache {folder.parent} is not a folder: set data.cache_dir (or DFLASH_DATA_CACHE)")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(folder.parent / f".{folder.name}.lock", "a")
+    except OSError as exc:
+        # A read-only cache (a shared data set mount): nobody can be writing in it, so its complete,
+        # up-to-date storage is used as it is, without the lock; anything else cannot be prepared there.
+        data = _read_only_cache(folder, log)
+        if data is None:
+            raise UserError(
+                f"the data cache {folder.parent} is not writable ({exc.strerror}) and holds no up-to-date prepared "
+                "data for this run: set data.cache_dir (or DFLASH_DATA_CACHE) to a writable folder"
+            ) from None
+        return data
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Folders of killed preparations, of any settings (cache keys hold no dot); a live one is kept.
+        for p in folder.parent.glob(".*"):
+            if p.is_dir():
+                remove_dead_folders(folder.parent / p.name[1:].split(".")[0])
         reason = None
         if (folder / "manifest.json").is_file():
             try:
@@ -491,3 +527,20 @@ def ensure_prepared(
             log(f"data: preparing {folder} (first use of these inputs and settings)")
         prepare_data(request, tokenizer, folder, num_workers=num_workers, progress=progress)
         return PreparedData(folder)
+
+
+def _read_only_cache(folder: Path, log):
+    """The storage in ``folder`` of a cache that cannot be written, or None when it is absent, damaged
+    or its inputs changed since."""
+    from .storage import PreparedData, StorageError
+
+    if not (folder / "manifest.json").is_file():
+        return None
+    try:
+        data = PreparedData(folder)
+    except StorageError:
+        return None
+    if changed_inputs(data.manifest):
+        return None
+    log(f"data: prepared storage {folder} (reused from a read-only cache: inputs and settings unchanged)")
+    return data

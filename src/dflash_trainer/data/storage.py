@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import UserError
+from ..errors import UserError, check_schema
 from ..io import sha256_file
 from .documents import DataReport
 from .packing import PackedRow
@@ -51,6 +52,64 @@ class StorageError(UserError):
     """A prepared-data folder that cannot be used; the message names the file and the problem."""
 
 
+# The manifest's schema: what the readers below use, checked in one place (strict JSON types; extra keys
+# are kept for later versions' additions). A file's shape, dtype and size must agree, and each array
+# has the dtype this reader was written for: a manifest edited by hand is one line, not an mmap error.
+_DTYPES = {"tokens": "uint32", "loss_mask": "uint8", "doc_offsets": "int64"} | {
+    f"{s}_{k}": "int64" for s in SPLITS for k in ("rows", "pieces")
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _File(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+\.bin$")  # a file in the folder, never a path out of it
+    dtype: str
+    shape: list[int]
+    bytes: int = Field(ge=0)
+    sha256: str
+
+
+class _Settings(_Strict):
+    train_paths: list[str]
+    eval_paths: list[str]
+    holdout: str
+    eval_fraction: float | None
+    seq_len: int = Field(gt=0)
+    min_tokens: int
+    vocab_size: int = Field(gt=0)
+    pad_token_id: int = Field(ge=0)
+    max_record_bytes: int
+    columns: dict[str, str]
+    tokenizer: str
+
+
+class _Input(_Strict):
+    path: str
+    bytes: int
+    mtime_ns: int
+    probe: str | None = None  # absent in storage prepared before it was recorded
+
+
+class _Split(_Strict):
+    documents: int = Field(ge=0)
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+
+
+class _Manifest(_Strict):
+    format: str
+    version: int
+    settings: _Settings
+    inputs: dict[str, list[_Input]]
+    splits: dict[str, _Split]
+    n_tokens: int = Field(ge=0)
+    n_documents: int = Field(ge=0)
+    files: dict[str, _File]
+
+
 def _read_manifest(folder: Path) -> dict:
     path = folder / "manifest.json"
     if not path.is_file():
@@ -66,6 +125,28 @@ def _read_manifest(folder: Path) -> dict:
             f"{folder} was prepared by another dflash-trainer (storage version {manifest.get('version')}, this one "
             f"reads {VERSION}): prepare it again"
         )
+    fix = "prepare the data again (dflash-train prepare-data)"
+    parsed = check_schema(_Manifest, manifest, f"prepared data manifest {path}", fix, StorageError)
+    for split in SPLITS:
+        if split not in parsed.splits or split not in parsed.inputs:
+            raise StorageError(
+                f"prepared data manifest {path}: field splits.{split} or inputs.{split} is missing; {fix}"
+            )
+    for name, dtype in _DTYPES.items():
+        info = parsed.files.get(name)
+        if info is None:
+            raise StorageError(f"prepared data manifest {path}: field files.{name} is missing; {fix}")
+        if info.dtype != dtype or np.prod(info.shape, dtype=np.int64) * np.dtype(dtype).itemsize != info.bytes:
+            raise StorageError(
+                f"prepared data manifest {path}: field files.{name} is inconsistent (dtype {info.dtype!r:.20}, shape "
+                f"{info.shape}, {info.bytes:,} bytes; this reader wants {dtype}); {fix}"
+            )
+        if len(info.shape) != (2 if name.endswith("_pieces") else 1) or (
+            name.endswith("_pieces") and info.shape[1] != 2
+        ):
+            raise StorageError(
+                f"prepared data manifest {path}: field files.{name}.shape {info.shape} is not the array's; {fix}"
+            )
     return manifest
 
 
@@ -77,6 +158,7 @@ class PackedRows(Sequence):
         self.tokens, self.loss_mask = data.array("tokens"), data.array("loss_mask")
         self.offsets, self.pieces = data.array(f"{split}_rows"), data.array(f"{split}_pieces")
         self.seq_len, self.pad = data.settings["seq_len"], data.settings["pad_token_id"]
+        self.vocab_size, self.tokens_path = data.settings["vocab_size"], data.folder / "tokens.bin"
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -98,6 +180,13 @@ class PackedRows(Sequence):
             pos[at : at + length] = np.arange(length)
             at += length
         pos[at:] = np.arange(self.seq_len - at)  # the padding is a document of its own
+        # Where rows enter training: an id the vocabulary does not hold (bit rot that kept the file's size
+        # and time, so opening skipped the sha256) would be an IndexError deep in the target's embedding.
+        if at and (ids[:at].max() >= self.vocab_size or self.pad >= self.vocab_size):
+            raise StorageError(
+                f"prepared data file {self.tokens_path} is corrupt: row {index} holds token id {int(ids.max())}, the "
+                f"vocabulary has {self.vocab_size}; check it with dflash-train prepare-data --verify and prepare it again"
+            )
         return PackedRow(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(mask))
 
 
@@ -113,6 +202,8 @@ class PreparedData:
             stamps = json.loads((self.folder / "stamps.json").read_text())
         except (OSError, ValueError):
             stamps = {}  # copied without it, or damaged: every file's sha256 is checked
+        if not isinstance(stamps, dict):
+            stamps = {}  # damaged the same way
         for name, info in self.manifest["files"].items():
             path = self.folder / info["name"]
             try:
@@ -147,13 +238,14 @@ class PreparedData:
         n_tokens = len(self.array("tokens"))
         offsets = np.asarray(self.array("doc_offsets"))
         problem = None
-        if offsets[0] != 0 or offsets[-1] != n_tokens or (np.diff(offsets) <= 0).any():
+        if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != n_tokens or (np.diff(offsets) <= 0).any():
             problem = "doc_offsets"
         for split in SPLITS:
             rows, pieces = np.asarray(self.array(f"{split}_rows")), np.asarray(self.array(f"{split}_pieces"))
             starts, lengths = pieces[:, 0], pieces[:, 1]
             if (
-                rows[0] != 0
+                len(rows) == 0
+                or rows[0] != 0
                 or rows[-1] != len(pieces)
                 or (np.diff(rows) < 0).any()
                 or (lengths < 1).any()

@@ -35,9 +35,10 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 
-from ..errors import UserError
+from ..errors import UserError, check_schema
 from ..io import atomic_folder
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.loading import resolve_target_path
@@ -320,10 +321,27 @@ def load_export(folder: Path, target, dtype: torch.dtype = torch.float32) -> DFl
     return load_drafter_folder(folder, target, dtype)
 
 
+class _ExportInfo(BaseModel):
+    """The fields of ``export_info.json`` the check reads (strict JSON types; the rest kept)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    trained_layer_ids: list[int]
+    checkpoint: str | None = None
+    step: int | None = None
+    allowed_mismatches: list[str] = []
+
+
 def read_export_info(folder: Path) -> dict | None:
     """The export's ``export_info.json`` (trained layer ids, checkpoint, allowed mismatches), or None."""
     f = Path(folder) / EXPORT_INFO
-    return json.loads(f.read_text()) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        info = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{f} is unreadable or corrupt ({exc}): export the drafter again") from None
+    check_schema(_ExportInfo, info, str(f), "export the drafter again")
+    return info
 
 
 def recorded_verifier(fmt: str, cfg: dict) -> str | None:

@@ -37,10 +37,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import UserError
+from ..errors import UserError, check_schema
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..variants import VARIANTS, make_drafter, variant_of
 
@@ -65,6 +66,82 @@ class DrafterFolder:
     verifier: str | None  # the target the folder names (speculators' verifier, z-lab's target_model_path)
     embedding_scale: float  # z-lab's input_embedding_scale (only 1 is read: the drafter embeds unscaled)
     ours: bool  # written by this project's export (export_info.json)
+
+
+# The fields of a foreign config.json this reader uses, typed (strict JSON types; a float field takes an
+# int): checked in one place before anything reads them, so a field of the wrong type is one line naming
+# it. Other fields are kept as written (transformers' config class reads the layers' own).
+class _Foreign(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _LayerFields(_Foreign):
+    model_type: str | None = None
+    hidden_size: int = Field(None, gt=0)
+    intermediate_size: int = Field(None, gt=0)
+    num_hidden_layers: int = Field(None, gt=0)
+    num_attention_heads: int = Field(None, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    vocab_size: int = Field(None, gt=0)
+    rms_norm_eps: float = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    rope_parameters: dict | None = None
+    rope_scaling: dict | None = None
+    sliding_window: int | None = None
+    use_sliding_window: bool | None = None
+    layer_types: list[str] | None = None
+    hidden_act: str | None = None
+    attention_bias: bool | None = None
+    mlp_bias: bool | None = None
+    architectures: list[str] | None = None
+
+
+class _ZlabFields(_Foreign):  # z-lab reads each from dflash_config first, then the top level
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = Field(None, ge=0)
+    block_size: int | None = Field(None, ge=2)
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
+    causal_in_block_sliding: bool | None = None
+    target_transforms: dict | None = None
+    target_model_path: str | None = None
+    pure_draft_prefix_len: int | None = None
+    shift_label: bool | None = None
+
+
+class _ZlabConfig(_LayerFields, _ZlabFields):
+    num_target_layers: int | None = None
+    dflash_config: _ZlabFields | None = None
+
+
+class _Verifier(_Foreign):
+    name_or_path: str | None = None
+
+
+class _SpeculatorsInner(_Foreign):
+    verifier: _Verifier | None = None
+
+
+class _SpeculatorsConfig(_Foreign):
+    speculators_model_type: str
+    transformer_layer_config: _LayerFields | None = None
+    aux_hidden_state_layer_ids: list[int] | None = None
+    mask_token_id: int | None = Field(None, ge=0)
+    draft_vocab_size: int | None = Field(None, gt=0)
+    block_size: int | None = Field(None, ge=2)
+    sliding_window_non_causal: bool | None = None
+    sample_from_anchor: bool | None = None
+    target_transforms: dict | None = None
+    speculators_config: _SpeculatorsInner | None = None
+
+
+def check_foreign_config(cfg: dict, cfg_file: Path) -> None:
+    """``UserError`` (one line naming the field) for a field of ``config.json`` this reader uses that has
+    the wrong type: the folder is damaged or written by something else."""
+    schema = _SpeculatorsConfig if "speculators_model_type" in cfg else _ZlabConfig
+    check_schema(schema, cfg, str(cfg_file), "fix that field or export the drafter again")
 
 
 def _layer_config(raw: dict, where: str):
@@ -237,6 +314,7 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
         raise UserError(f"{cfg_file} is not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{cfg_file} is not a JSON object")
+    check_foreign_config(cfg, cfg_file)
     where, ours = str(folder), (folder / EXPORT_INFO).is_file()
     transforms, scale, verifier = cfg.get("target_transforms") or {}, 1.0, None
     variant, options = "dflash", {}

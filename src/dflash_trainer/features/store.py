@@ -29,16 +29,18 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..data.packing import PackedRow
-from ..errors import UserError
+from ..errors import UserError, check_schema
 from ..io import atomic_write, atomic_write_json, sha256_file
 from ..model.target import TargetFeatures
-from .codec import decode, element_bytes, encode, scale_bytes
+from .codec import STORAGE_DTYPES, decode, element_bytes, encode, scale_bytes
 
 FORMAT = "dflash-trainer feature cache"
 VERSION = 1
@@ -48,6 +50,42 @@ ROW_INT_BYTES = 4 + 4 + 1  # input_ids int32, position_ids int32, loss_mask uint
 
 class CacheError(UserError):
     """A feature cache that cannot be used as it is; the message names the file and what to do."""
+
+
+# capture.json and manifest.json, typed: what the readers use, checked in one place (strict JSON types,
+# extra keys kept), so a hand-edited or damaged field is one line naming it, not an AttributeError.
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Settings(_Strict):
+    storage_dtype: Literal[tuple(STORAGE_DTYPES)]  # type: ignore[valid-type]
+    teacher: bool
+    layer_ids: list[int]
+    seq_len: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+
+
+class _Plan(_Strict):
+    settings: _Settings
+    target: dict
+    data: dict
+    splits: dict[Literal["train", "eval"], int]
+    row_bytes: dict[str, int]
+    rows_per_shard: int = Field(gt=0)
+    key: str
+
+
+class _ShardRecord(_Strict):
+    rows: list[int]
+    bytes: int = Field(ge=0)
+    sha256: str
+    stamp: list[int] = Field(min_length=2, max_length=2)
+
+
+class _Manifest(_Plan):
+    shards: dict[str, _ShardRecord]
+    bytes: int = Field(ge=0)
 
 
 def row_bytes(seq_len: int, hidden: int, num_features: int, storage: str, teacher: bool) -> int:
@@ -171,6 +209,9 @@ def read_plan(folder: Path) -> dict | None:
             f"{folder} was captured by another dflash-trainer (cache version {plan.get('version')}, this one reads "
             f"{VERSION}): capture it again"
         )
+    check_schema(
+        _Plan, plan, f"feature cache plan {folder}/capture.json", "remove the folder and capture again", CacheError
+    )
     return plan
 
 
@@ -191,6 +232,19 @@ class CachedRows(Sequence):
         index %= len(self)
         f = self.store.shard_of(self.split, index)
         ids, pos, mask = (f.get_tensor(f"{index}.{k}").long() for k in ("input_ids", "position_ids", "loss_mask"))
+        # where rows enter training, as for prepared data: a shard whose ids bit-rotted with its size and
+        # time kept (so opening skipped its sha256) is named here, not an IndexError in an embedding
+        vocab = (self.store.manifest["data"].get("settings") or {}).get("vocab_size")
+        if isinstance(vocab, int) and ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            path = (
+                self.store.folder
+                / "shards"
+                / f"{shard_name(self.split, index // self.store.rows_per_shard)}.safetensors"
+            )
+            raise CacheError(
+                f"feature shard {path} is corrupt: row {index} holds token id {int(ids.max())} outside the vocabulary "
+                f"of {vocab}; check it with dflash-train capture --verify, then capture again"
+            )
         return PackedRow(ids, pos, mask)
 
 
@@ -213,6 +267,8 @@ class FeatureStore:
                 f"the capture in {folder} is not finished ({done} of {total} shards written): run the same "
                 "dflash-train capture command again to continue it"
             ) from None
+        where = f"feature cache manifest {self.folder / 'manifest.json'}"
+        check_schema(_Manifest, self.manifest, where, "run the capture again to rewrite it", CacheError)
         self.rows_per_shard = self.manifest["rows_per_shard"]
         self.storage: str = self.manifest["settings"]["storage_dtype"]
         self._open: dict[str, object] = {}

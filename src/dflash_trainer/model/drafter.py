@@ -13,6 +13,8 @@ keys a query sees is the attention mask's business (``model/attention.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -76,7 +78,13 @@ class DrafterSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise UserError(f"unknown drafter spec fields {unknown}: written by a newer dflash-trainer?")
-        return cls(**{**d, "sliding_window_layers": tuple(d.get("sliding_window_layers", ()))})
+        from ..errors import check_schema
+
+        layers = d.get("sliding_window_layers", ())
+        d = {**d, "sliding_window_layers": tuple(layers) if isinstance(layers, list) else layers}
+        # every field by its annotation, strict JSON types: a damaged one is one line naming it
+        check_schema(_spec_schema(), d, "drafter spec", "the file is damaged")
+        return cls(**d)
 
     @property
     def logit_options(self) -> dict:
@@ -398,3 +406,20 @@ class DFlashDrafter(nn.Module):
     def block_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., V]`` through the target's head: for a few rows only (eval, tests)."""
         return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+
+
+@functools.cache
+def _spec_schema():
+    """A pydantic model of ``DrafterSpec``'s fields (their annotations and defaults), for ``from_dict``."""
+    from pydantic import ConfigDict, Field, create_model
+
+    hints = typing.get_type_hints(DrafterSpec)
+    fields = {}
+    for f in dataclasses.fields(DrafterSpec):
+        if f.default is not dataclasses.MISSING:
+            fields[f.name] = (hints[f.name], f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            fields[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
+        else:
+            fields[f.name] = (hints[f.name], ...)
+    return create_model("DrafterSpecFields", __config__=ConfigDict(strict=True), **fields)

@@ -11,16 +11,52 @@ special tokens skipped, as ``inference.regenerate`` decodes.
 from __future__ import annotations
 
 import collections
+import http.client
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import UserError
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import UserError, check_schema
 
 Completion = tuple[str, int, bool]
+# How long the first request (/v1/models) may take to connect and answer: a listener that accepts and
+# never answers (a wrong port, a hung server) is named, not waited on. A completion may take longer
+# (the server answers when the whole reply is generated): each waits up to COMPLETION_TIMEOUT.
+PROBE_TIMEOUT = float(os.environ.get("DFLASH_SERVER_TIMEOUT", 30))
+COMPLETION_TIMEOUT = 600.0
+
+
+# The answers this client reads, typed (OpenAI's schema, the fields used; others are ignored).
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Model(_Answer):
+    id: str
+
+
+class _Models(_Answer):
+    data: list[_Model]
+
+
+class _Choice(_Answer):
+    text: str
+    finish_reason: str | None = None
+
+
+class _Usage(_Answer):
+    completion_tokens: int = Field(0, ge=0)
+
+
+class _Completion(_Answer):
+    choices: list[_Choice] = Field(min_length=1)
+    usage: _Usage | None = None
 
 
 def _sampling(temperature: float, top_p: float, seed: int) -> dict:
@@ -31,28 +67,53 @@ class ServerEngine:
     """``/v1/completions`` of an OpenAI-compatible server, one request per prompt, sent concurrently
     (the server batches them)."""
 
-    def __init__(self, url: str, model: str | None = None, timeout: float = 600):
+    def __init__(self, url: str, model: str | None = None, timeout: float = COMPLETION_TIMEOUT):
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self.model = model or self._served_model()
+        served = self._served_model()  # always: a server that does not answer is named at once
+        self.model = model or served
 
-    def _request(self, path: str, body: dict | None = None) -> dict:
+    def _request(self, path: str, schema, body: dict | None = None, timeout: float | None = None):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json"})
+        timeout = timeout or self.timeout
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read())
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300].replace("\n", " ")
             raise UserError(f"the server at {self.url} answered {path} with HTTP {exc.code}: {detail}") from None
+        except TimeoutError:
+            raise UserError(
+                f"the server at {self.url} did not answer {path} within {timeout:g} s: is it an OpenAI-compatible "
+                "server, and is it up? (DFLASH_SERVER_TIMEOUT sets the first request's wait)"
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
-            raise UserError(f"cannot reach the server at {self.url}: {getattr(exc, 'reason', exc)}") from None
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError):
+                raise UserError(f"the server at {self.url} did not accept a connection within {timeout:g} s") from None
+            raise UserError(f"cannot reach the server at {self.url}: {reason}") from None
+        except http.client.HTTPException as exc:
+            raise UserError(
+                f"the server at {self.url} did not answer {path} in HTTP ({type(exc).__name__}): is the URL an "
+                "OpenAI-compatible server (vLLM, SGLang)?"
+            ) from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            shown = raw[:60].decode(errors="replace").replace("\n", " ")
+            raise UserError(
+                f"the server at {self.url} answered {path} with something that is not JSON ({shown!r}): is the URL "
+                "an OpenAI-compatible server (vLLM, SGLang)?"
+            ) from None
+        where = f"the server at {self.url} answered {path}"
+        return check_schema(schema, answer, where, "is the URL an OpenAI-compatible server (vLLM, SGLang)?")
 
     def _served_model(self) -> str:
-        models = self._request("/v1/models").get("data") or []
+        models = self._request("/v1/models", _Models, timeout=min(PROBE_TIMEOUT, self.timeout)).data
         if not models:
             raise UserError(f"the server at {self.url} serves no model (/v1/models is empty)")
-        return models[0]["id"]
+        return models[0].id
 
     def complete(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, seed: int):
         def one(i_ids):
@@ -63,12 +124,11 @@ class ServerEngine:
                 "max_tokens": max_tokens,
                 **_sampling(temperature, top_p, seed + i),
             }
-            choice = self._request("/v1/completions", body)
-            usage = choice.get("usage") or {}
-            c = choice["choices"][0]
-            cut = c.get("finish_reason") == "length"
-            n = int(usage.get("completion_tokens", 0))
-            return c["text"], n if cut else max(0, n - 1), cut  # a stop by eos counts the eos token
+            answer = self._request("/v1/completions", _Completion, body)
+            c = answer.choices[0]
+            cut = c.finish_reason == "length"
+            n = answer.usage.completion_tokens if answer.usage else 0
+            return c.text, n if cut else max(0, n - 1), cut  # a stop by eos counts the eos token
 
         with ThreadPoolExecutor(max(1, min(64, len(prompts)))) as pool:
             return list(pool.map(one, enumerate(prompts)))

@@ -31,6 +31,11 @@ def vllm_python() -> Path:
     if named:
         if not Path(named).is_file():
             raise UserError(f"{ENV_PYTHON}={named} is not a file: point it at the python of an environment with vLLM")
+        if not os.access(named, os.X_OK):  # checked here, before any work: it is run much later
+            raise UserError(
+                f"{ENV_PYTHON}={named} is not executable: point it at the python of an environment with vLLM "
+                f"(or chmod +x {named})"
+            )
         return Path(named)
     if importlib.util.find_spec("vllm") is not None:
         return Path(sys.executable)

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 import yaml
+from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig, dump_config
-from ..errors import UserError
+from ..errors import UserError, check_schema
 from ..io import atomic_folder, sha256_file
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.target import head_logit_options
@@ -295,14 +296,41 @@ def read_counters(path: Path) -> dict:
     return {"step": counters["step"], "rows_consumed": counters["rows_consumed"]}
 
 
+class _Target(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    layer_ids: list[int]
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    path: str | None = None
+
+
+class _Meta(BaseModel):
+    """``drafter_config.json``'s fields, typed (the spec is checked by ``DrafterSpec.from_dict``)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    spec: dict
+    target: _Target
+    step: int | None = None
+
+
 def read_checkpoint_config(path: Path) -> dict:
     path = Path(path)
     cfg_file = path / CONFIG
     if not cfg_file.is_file() or not (path / WEIGHTS).is_file():
         raise UserError(f"{path} is not a drafter checkpoint (expected {CONFIG} and {WEIGHTS})")
-    meta = json.loads(cfg_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{cfg_file}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    try:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{cfg_file} is unreadable or corrupt ({exc}): use another checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise UserError(f"{cfg_file}: unknown checkpoint format {got!r} (expected {FORMAT})")
+    check_schema(_Meta, meta, str(cfg_file), "the checkpoint is damaged: use another one")
+    try:
+        DrafterSpec.from_dict(meta["spec"])
+    except UserError as exc:
+        raise UserError(f"{cfg_file}: {exc}; use another checkpoint") from None
     return meta
 
 
@@ -357,5 +385,17 @@ def load_drafter(path: Path, target, dtype: torch.dtype = torch.float32) -> tupl
     spec = checkpoint_spec(meta, target.config)
     check_against_target(spec, meta["target"]["layer_ids"], target, f"checkpoint {path}")
     drafter = make_drafter(spec, target.embed_tokens, target.lm_head_weight)
-    drafter.load_state_dict(load_file(str(Path(path) / WEIGHTS)))
+    weights = Path(path) / WEIGHTS
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(
+            f"checkpoint weights {weights} cannot be read ({exc}): the checkpoint is damaged; use another one "
+            "(dflash-train train resumes from the last good one)"
+        ) from None
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"checkpoint weights {weights} do not fit the drafter its config describes ({first})") from None
     return drafter.to(dtype).eval(), meta

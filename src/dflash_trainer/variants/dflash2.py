@@ -143,12 +143,14 @@ class CandidateSelector(nn.Module):
 
     def context(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` hidden and ``[...]`` predecessor ids -> ``pred[prev] * (P h)`` ``[..., r]``."""
-        pred = self.predecessor_codebook[prev.long()]
+        # F.embedding, not indexing: indexing's backward on CPU is index_put_ with atomic float adds on
+        # more than one thread (run-to-run different sums); embedding's backward is deterministic.
+        pred = F.embedding(prev.long(), self.predecessor_codebook)
         return pred * self.hidden_projection(hidden.to(pred.dtype))
 
     def transition(self, context: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """``[..., r]`` context and ``[..., K]`` candidate ids -> ``<context, succ[c]>`` ``[..., K]``."""
-        return torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidates.long()])
+        return torch.einsum("...r,...kr->...k", context, F.embedding(candidates.long(), self.successor_codebook))
 
 
 def _options(spec: DrafterSpec) -> dict:
