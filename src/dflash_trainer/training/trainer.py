@@ -190,6 +190,12 @@ class Trainer:
         self.feed, self.group = feed, group
         self.device = feed.device if feed is not None else torch.device("cpu")
         self.data_parallel = group is not None and torch.distributed.get_world_size(group) > 1
+        # A step's gradient is the mean over its grad_accum rows. DDP averages the ranks' gradients, so a
+        # rank divides its rows' losses by the rows it holds (grad_accum / ranks), not by grad_accum:
+        # otherwise the gradient is 1 / ranks too small, and gradient clipping (unlike AdamW's scale
+        # invariance) makes the run leave the one-process run.
+        ranks = torch.distributed.get_world_size(group) if self.data_parallel else 1
+        self.loss_divisor = cfg.train.grad_accum / ranks
         self.is_writer = feed is None or feed.layout.drafter_index == 0
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
@@ -312,7 +318,7 @@ class Trainer:
                 # rank); its gradients are thrown away below
                 if finite or self.data_parallel:
                     with phase("backward"):
-                        (torch.nan_to_num(loss) / cfg.train.grad_accum).backward()
+                        (torch.nan_to_num(loss) / self.loss_divisor).backward()
             totals[6] = min(totals[6].item(), float(finite))
             totals[0] += loss.item() / cfg.train.grad_accum
             for k, name in enumerate(("ce", "kl", "cap", "accuracy"), start=1):
