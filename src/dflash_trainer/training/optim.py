@@ -1,10 +1,11 @@
 """Optimizers and learning-rate schedules of a training run (``train.optimizer``, ``train.schedule``).
 
 ``adamw``: one ``torch.optim.AdamW`` (betas 0.9/0.95, decoupled weight decay on matrices only).
-``muon``: ``torch.optim.Muon`` on the drafter's hidden matrices (2-D, no vocabulary-sized side: Muon's
-authors keep embeddings and heads on AdamW), its learning rate scaled by ``0.2 sqrt(max(A, B))`` so
-its update RMS matches AdamW's at the same ``train.lr`` (torch's ``adjust_lr_fn="match_rms_adamw"``);
-AdamW on everything else (norms, biases, vocabulary-sized tensors). Both follow the same schedule
+``muon``: ``torch.optim.Muon`` on the drafter's hidden matrices (``muon_matrices``: its 2-D parameters
+but the variant's vocabulary tables, which Muon's authors would keep on AdamW like embeddings and
+heads), its learning rate scaled by ``0.2 sqrt(max(A, B))`` so its update RMS matches AdamW's at the
+same ``train.lr`` (torch's ``adjust_lr_fn="match_rms_adamw"``); AdamW on everything else (norms,
+biases, the vocabulary tables). Both follow the same schedule
 factor of the step:
 
     cosine   warmup, then 0.5 (1 + cos(pi t)) from 1 to min_lr_ratio
