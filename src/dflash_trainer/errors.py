@@ -3,9 +3,18 @@ one way a file this project reads (a manifest, a foreign config) is checked agai
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict
+
 
 class UserError(Exception):
     """A problem with the user's input (config, paths, data), explained in one line."""
+
+
+class JsonRecord(BaseModel):
+    """The base of the typed schemas ``check_schema`` reads files with: JSON's own types (strict: "3" is
+    not an int), extra keys kept (fields a newer writer added)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 def check_schema(schema, value, where: str, fix: str, error: type[UserError] = UserError):

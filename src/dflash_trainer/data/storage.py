@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from ..errors import UserError, check_schema
+from ..errors import JsonRecord, UserError, check_schema
 from ..io import sha256_file
 from .documents import DataReport
 from .packing import PackedRow
@@ -60,11 +60,7 @@ _DTYPES = {"tokens": "uint32", "loss_mask": "uint8", "doc_offsets": "int64"} | {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class _File(_Strict):
+class _File(JsonRecord):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+\.bin$")  # a file in the folder, never a path out of it
     dtype: str
     shape: list[int]
@@ -72,7 +68,7 @@ class _File(_Strict):
     sha256: str
 
 
-class _Settings(_Strict):
+class _Settings(JsonRecord):
     train_paths: list[str]
     eval_paths: list[str]
     holdout: str
@@ -86,20 +82,20 @@ class _Settings(_Strict):
     tokenizer: str
 
 
-class _Input(_Strict):
+class _Input(JsonRecord):
     path: str
     bytes: int
     mtime_ns: int
     probe: str | None = None  # absent in storage prepared before it was recorded
 
 
-class _Split(_Strict):
+class _Split(JsonRecord):
     documents: int = Field(ge=0)
     rows: int = Field(ge=0)
     tokens: int = Field(ge=0)
 
 
-class _Manifest(_Strict):
+class _Manifest(JsonRecord):
     format: str
     version: int
     settings: _Settings

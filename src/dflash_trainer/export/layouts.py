@@ -37,11 +37,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import UserError, check_schema
+from ..errors import JsonRecord, UserError, check_schema
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..variants import VARIANTS, make_drafter, variant_of
 
@@ -71,11 +71,9 @@ class DrafterFolder:
 # The fields of a foreign config.json this reader uses, typed (strict JSON types; a float field takes an
 # int): checked in one place before anything reads them, so a field of the wrong type is one line naming
 # it. Other fields are kept as written (transformers' config class reads the layers' own).
-class _Foreign(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
 
 
-class _LayerFields(_Foreign):
+class _LayerFields(JsonRecord):
     model_type: str | None = None
     hidden_size: int = Field(None, gt=0)
     intermediate_size: int = Field(None, gt=0)
@@ -97,7 +95,7 @@ class _LayerFields(_Foreign):
     architectures: list[str] | None = None
 
 
-class _ZlabFields(_Foreign):  # z-lab reads each from dflash_config first, then the top level
+class _ZlabFields(JsonRecord):  # z-lab reads each from dflash_config first, then the top level
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = Field(None, ge=0)
     block_size: int | None = Field(None, ge=2)
@@ -116,15 +114,15 @@ class _ZlabConfig(_LayerFields, _ZlabFields):
     dflash_config: _ZlabFields | None = None
 
 
-class _Verifier(_Foreign):
+class _Verifier(JsonRecord):
     name_or_path: str | None = None
 
 
-class _SpeculatorsInner(_Foreign):
+class _SpeculatorsInner(JsonRecord):
     verifier: _Verifier | None = None
 
 
-class _SpeculatorsConfig(_Foreign):
+class _SpeculatorsConfig(JsonRecord):
     speculators_model_type: str
     transformer_layer_config: _LayerFields | None = None
     aux_hidden_state_layer_ids: list[int] | None = None

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..data.packing import PackedRow
-from ..errors import UserError, check_schema
+from ..errors import JsonRecord, UserError, check_schema
 from ..io import atomic_write, atomic_write_json, sha256_file
 from ..model.target import TargetFeatures
 from .codec import STORAGE_DTYPES, decode, element_bytes, encode, scale_bytes
@@ -54,11 +54,9 @@ class CacheError(UserError):
 
 # capture.json and manifest.json, typed: what the readers use, checked in one place (strict JSON types,
 # extra keys kept), so a hand-edited or damaged field is one line naming it, not an AttributeError.
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
 
 
-class _Settings(_Strict):
+class _Settings(JsonRecord):
     storage_dtype: Literal[tuple(STORAGE_DTYPES)]  # type: ignore[valid-type]
     teacher: bool
     layer_ids: list[int]
@@ -66,7 +64,7 @@ class _Settings(_Strict):
     hidden_size: int = Field(gt=0)
 
 
-class _Plan(_Strict):
+class _Plan(JsonRecord):
     settings: _Settings
     target: dict
     data: dict
@@ -76,7 +74,7 @@ class _Plan(_Strict):
     key: str
 
 
-class _ShardRecord(_Strict):
+class _ShardRecord(JsonRecord):
     rows: list[int]
     bytes: int = Field(ge=0)
     sha256: str

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig, dump_config
-from ..errors import UserError, check_schema
+from ..errors import JsonRecord, UserError, check_schema
 from ..io import atomic_folder, sha256_file
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.target import head_logit_options
@@ -296,8 +295,7 @@ def read_counters(path: Path) -> dict:
     return {"step": counters["step"], "rows_consumed": counters["rows_consumed"]}
 
 
-class _Target(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class _Target(JsonRecord):
     layer_ids: list[int]
     num_layers: int | None = None
     hidden_size: int | None = None
@@ -305,10 +303,9 @@ class _Target(BaseModel):
     path: str | None = None
 
 
-class _Meta(BaseModel):
+class _Meta(JsonRecord):
     """``drafter_config.json``'s fields, typed (the spec is checked by ``DrafterSpec.from_dict``)."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
     spec: dict
     target: _Target
     step: int | None = None
