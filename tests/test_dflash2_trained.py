@@ -98,7 +98,7 @@ def test_eval_command_on_a_dflash2_checkpoint(trained, tmp_path, capsys):
     out = tmp_path / "eval"
     code = main(
         ["eval", str(trained["ckpt"]), "--data", str(trained["root"] / "data.jsonl"), "--out", str(out)]
-        + ["--budgets", "4,16", "--set", "data.max_eval_rows=2"]
+        + ["--budgets", "4,16", "--max-blocks-per-row", "8"]
     )
     assert code == 0
     report = json.loads((out / "report.json").read_text())["checkpoints"][0]["report"]

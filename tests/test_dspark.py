@@ -400,7 +400,7 @@ def test_eval_command_on_a_dspark_checkpoint(small_run, tmp_path, capsys):
     out = tmp_path / "eval"
     code = main(
         ["eval", str(ckpt), "--data", str(small_run["data"]), "--out", str(out), "--budgets", "4,16"]
-        + ["--set", "data.seq_len=128", "--set", "data.max_eval_rows=2"]
+        + ["--max-blocks-per-row", "8", "--set", "data.seq_len=128"]
     )
     assert code == 0
     report = json.loads((out / "report.json").read_text())["checkpoints"][0]["report"]

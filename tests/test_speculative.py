@@ -268,7 +268,7 @@ def test_sampling_probs_match_transformers_warpers(temperature, top_p):
 def test_partial_sort_nucleus_equals_the_full_sort(dtype):
     """sampling_probs' nucleus from the top k tokens (k grown until they hold top_p) is the full sort's,
     exactly: peaked rows (k = 64 suffices), flat rows (k grows to the whole vocabulary) and rows in
-    between, mixed in one batch so that one flat row makes the whole batch grow."""
+    between, mixed in one batch (each row's k grows on its own), and batches of more dimensions."""
     from dflash_trainer.inference.sampling import sampling_probs, sampling_probs_by_sort
 
     gen = torch.Generator().manual_seed(5)
@@ -280,6 +280,8 @@ def test_partial_sort_nucleus_equals_the_full_sort(dtype):
         assert torch.equal(ours, sampling_probs_by_sort(logits, temperature, top_p)), (temperature, top_p)
         for row in range(logits.shape[0]):  # one row at a time: peaked rows alone stop at k = 64
             assert torch.equal(sampling_probs(logits[row], temperature, top_p), ours[row])
+        stacked = torch.stack([logits, logits.flip(0)])  # [2, 6, V]
+        assert torch.equal(sampling_probs(stacked, temperature, top_p), torch.stack([ours, ours.flip(0)]))
     kept = (sampling_probs(logits, 1.0, 0.9) > 0).sum(-1)
     assert kept[0] > 64 * 16 and kept[-1] < 64  # both ends of the growth really happened
 

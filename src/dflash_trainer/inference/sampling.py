@@ -71,17 +71,22 @@ def _kept(sorted_probs: torch.Tensor, order: torch.Tensor, top_p: float, vocab: 
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus mask ``[..., V]`` from the top ``k`` tokens only, ``k`` grown 4x until every row's
-    top ``k`` hold at least ``top_p`` (a token past them then has ``top_p`` before it and is dropped):
-    a partial sort of a few dozen tokens where decoding's peaked rows need them, instead of a sort of
-    the whole vocabulary per verified row (what dominated eval's sampled acceptance)."""
+    """The nucleus mask ``[..., V]`` from each row's top ``k`` tokens only, ``k`` grown 4x for the rows
+    whose top ``k`` do not yet hold ``top_p`` (a token past them then has ``top_p`` before it and is
+    dropped): a partial sort of a few dozen tokens where decoding's peaked rows need them, instead of a
+    sort of the whole vocabulary per verified row (what dominated eval's sampled acceptance), and one
+    flat row of a tree's batch grows alone instead of making every row sort thousands."""
     vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    keep = torch.zeros(flat.shape, dtype=torch.bool, device=probs.device)
+    rows = torch.arange(flat.shape[0], device=probs.device)
     k = min(vocab, 64)
-    while True:
-        top, order = probs.topk(k, dim=-1)  # descending
-        if k == vocab or bool((top.cumsum(-1)[..., -1] >= top_p).all()):
-            return _kept(top, order, top_p, vocab)
-        k = min(vocab, 4 * k)
+    while rows.numel():
+        top, order = flat[rows].topk(k, dim=-1)  # descending
+        done = top.cumsum(-1)[:, -1] >= top_p if k < vocab else torch.ones_like(rows, dtype=torch.bool)
+        keep[rows[done]] = _kept(top[done], order[done], top_p, vocab)
+        rows, k = rows[~done], min(vocab, 4 * k)
+    return keep.view(probs.shape)
 
 
 def sample_from(probs: torch.Tensor, uniform: float) -> int:

@@ -28,8 +28,19 @@ Completion = tuple[str, int, bool]
 # How long the first request (/v1/models) may take to connect and answer: a listener that accepts and
 # never answers (a wrong port, a hung server) is named, not waited on. A completion may take longer
 # (the server answers when the whole reply is generated): each waits up to COMPLETION_TIMEOUT.
-PROBE_TIMEOUT = float(os.environ.get("DFLASH_SERVER_TIMEOUT", 30))
+DEFAULT_PROBE_TIMEOUT = 30.0  # seconds; DFLASH_SERVER_TIMEOUT overrides it, read when a server is probed
 COMPLETION_TIMEOUT = 600.0
+
+
+def _probe_timeout() -> float:
+    value = os.environ.get("DFLASH_SERVER_TIMEOUT", "")
+    try:
+        seconds = float(value) if value else DEFAULT_PROBE_TIMEOUT
+    except ValueError:
+        raise UserError(f"DFLASH_SERVER_TIMEOUT must be a number of seconds, got {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise UserError(f"DFLASH_SERVER_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 # The answers this client reads, typed (OpenAI's schema, the fields used; others are ignored).
@@ -110,7 +121,7 @@ class ServerEngine:
         return check_schema(schema, answer, where, "is the URL an OpenAI-compatible server (vLLM, SGLang)?")
 
     def _served_model(self) -> str:
-        models = self._request("/v1/models", _Models, timeout=min(PROBE_TIMEOUT, self.timeout)).data
+        models = self._request("/v1/models", _Models, timeout=min(_probe_timeout(), self.timeout)).data
         if not models:
             raise UserError(f"the server at {self.url} serves no model (/v1/models is empty)")
         return models[0].id
