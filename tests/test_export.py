@@ -1,8 +1,6 @@
 """Export for serving: zlab and speculators formats, round trips, refusals, and the check command."""
 
-import contextlib
 import copy
-import io
 import json
 import subprocess
 import sys
@@ -10,10 +8,10 @@ import sys
 import pytest
 import tolerances
 import torch
+from cli_runs import in_process
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from dflash_trainer.cli import main
 from dflash_trainer.commands.train import warn_unservable
 from dflash_trainer.config import DrafterConfig, RunConfig
 from dflash_trainer.errors import UserError
@@ -114,16 +112,9 @@ def run_process(*args):
 
 
 def run_cli(*args):
-    """``dflash-train ARGS`` in this process: ``cli.main``, which the console script calls (``sys.exit(main())``;
-    the export itself runs as a process in test_export_round_trips_through_our_loader), with its exit
-    status and what it printed; no interpreter start and import of torch and transformers per check."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse's own usage errors
-            code = exc.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    """``dflash-train ARGS`` in this process (the export itself runs as a process in
+    test_export_round_trips_through_our_loader): tests/cli_runs.py."""
+    return in_process(*args)
 
 
 def test_checkpoint_round_trip(setup):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runs import as_process, in_process
 
 from dflash_trainer.data.prepare import DataRequest, ensure_prepared, prepare_data, tokenizer_fingerprint
 from dflash_trainer.data.storage import PreparedData, StorageError
@@ -29,48 +30,10 @@ CHAT = {
 
 
 def cli(*args, timeout=300, env=None, process=True):
-    """``dflash-train ARGS``: ``(exit status, stdout, stderr)``. ``process``: as its own process, as a
-    user runs it; else ``cli.main`` in this process (a parametrized test's further cases: no interpreter
-    start and import of torch and transformers per case), with ``env`` set around the call and every
-    warning a real process would print (Python's default filters) appended to stderr, so a warning
-    still breaks "one error line"."""
-    if process:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dflash_trainer.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, **(env or {})},
-        )
-        return proc.returncode, proc.stdout, proc.stderr
-    import contextlib
-    import io
-    import warnings
-
-    from dflash_trainer.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        with (
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-            warnings.catch_warnings(record=True) as w,
-        ):
-            warnings.resetwarnings()
-            warnings.simplefilter("default")
-            for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                warnings.simplefilter("ignore", quiet)
-            try:
-                code = main(list(args))
-            except SystemExit as exc:  # argparse's own usage errors
-                code = exc.code
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    shown = "".join(warnings.formatwarning(x.message, x.category, x.filename, x.lineno) for x in w)
-    return code, out.getvalue(), err.getvalue() + shown
+    """``(exit status, stdout, stderr)`` of ``dflash-train ARGS``: as its own process, or (``process``
+    false: a parametrized check's further cases) in this one (tests/cli_runs.py)."""
+    run = as_process(*args, env=env, timeout=timeout) if process else in_process(*args, env=env)
+    return run.returncode, run.stdout, run.stderr
 
 
 def one_error_line(err: str) -> str:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from cli_runs import in_process
 from trained import EOS, train_on_greedy
 
 from dflash_trainer.data.blocks import build_blocks
@@ -103,26 +104,18 @@ def test_cli_reports_tau_speedup_and_agreement(trained, tmp_path):
     assert set(report["modes"]) == {"ddtree-4", "ddtree-32"}
     for mode in report["modes"].values():
         assert mode["mismatches"] == 0 and 1.0 <= mode["tau"] <= 8 and mode["speedup"] > 0
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_trainer.cli",
-            "speculate",
-            "--mode",
-            "ddtree",
-            "--budget",
-            "0",
-            "--drafter",
-            str(trained["ckpt"]),
-            "--input",
-            str(prompts),
-            "--output",
-            str(tmp_path / "x.jsonl"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    bad = in_process(  # refused before any work: in this process (tests/cli_runs.py)
+        "speculate",
+        "--mode",
+        "ddtree",
+        "--budget",
+        "0",
+        "--drafter",
+        str(trained["ckpt"]),
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "x.jsonl"),
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "dflash-train: error: --budget must be >= 1, got 0"
@@ -581,7 +574,19 @@ def test_cli_speculative_sampling(trained, tmp_path):
     assert mode["mismatches"] is None and 1.0 <= mode["tau"] <= 8
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(r["ddtree-8_text"] for r in records)
-    bad = speculate(tmp_path / "x.jsonl", "--temperature", "1", "--top-p", "1.5")
+    bad = in_process(  # refused before any work: in this process (tests/cli_runs.py)
+        "speculate",
+        "--drafter",
+        str(trained["ckpt"]),
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "x.jsonl"),
+        "--temperature",
+        "1",
+        "--top-p",
+        "1.5",
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "dflash-train: error: --top-p must be in (0, 1], got 1.5"
     ]
