@@ -3,14 +3,12 @@ in-memory reference (``load_documents`` + ``pack_documents``), every input forma
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_runs import as_process, in_process
 
 from dflash_trainer.data.documents import load_documents
 from dflash_trainer.data.packing import pack_documents, plan_rows
@@ -324,15 +322,11 @@ def test_truncated_or_corrupt_storage_files_are_one_line_naming_them(tmp_path, t
         PreparedData(folder)
 
 
-def cli(*args, env=None):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_trainer.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+def cli(*args, env=None, process=True):
+    """``(exit status, stdout, stderr)`` of ``dflash-train ARGS``: as its own process, or in this one
+    (``process`` false: the checks after a test's first runs; tests/cli_runs.py)."""
+    run = as_process(*args, env=env, timeout=600) if process else in_process(*args, env=env)
+    return run.returncode, run.stdout, run.stderr
 
 
 def test_prepare_data_command_then_train_reads_it_and_verify_finds_corruption(tmp_path):
@@ -364,13 +358,15 @@ def test_prepare_data_command_then_train_reads_it_and_verify_finds_corruption(tm
     assert code == 0, err
     assert "prepare data" not in stdout and (run / "data_report.json").is_file()
     # a setting the storage was not prepared with is refused before anything is trained
-    code, _, err = cli("train", "--config", "tiny-demo", "--set", f"data.prepared={out}", "--set", f"output_dir={run}2")
+    code, _, err = cli(
+        "train", "--config", "tiny-demo", "--set", f"data.prepared={out}", "--set", f"output_dir={run}2", process=False
+    )
     assert code == 2 and "data.seq_len: prepared with 128, this run has" in err and len(err.strip().splitlines()) == 1
     loss = out / "loss_mask.bin"
     raw = bytearray(loss.read_bytes())
     raw[0] ^= 1
     loss.write_bytes(bytes(raw))
-    code, _, err = cli("prepare-data", "--verify", str(out))
+    code, _, err = cli("prepare-data", "--verify", str(out), process=False)
     assert code == 2 and f"{loss}" in err and len(err.strip().splitlines()) == 1
-    code, _, err = cli("prepare-data", *common, "--set", "data.train_files=[someorg/no-such-set]")
+    code, _, err = cli("prepare-data", *common, "--set", "data.train_files=[someorg/no-such-set]", process=False)
     assert code == 2 and "Hugging Face Hub" in err and len(err.strip().splitlines()) == 1

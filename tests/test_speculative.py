@@ -430,8 +430,10 @@ def _visited_rounds(trained, mode, budget, temperature, top_p, seeds):
     b = block_span(trained["drafter"].spec)  # a block's row tokens (DSpark's sample_from_anchor: B + 1)
     runs = []
     for i, prompt in enumerate(trained["prompts"][:4]):
+        prefilled = decoder.prefill(prompt)  # every seed decodes from a copy of one prefill
         for seed in seeds:
-            res = decoder.generate(prompt, 32, mode, budget, SampledVerification(temperature, top_p, 100 * i + seed))
+            policy = SampledVerification(temperature, top_p, 100 * i + seed)
+            res = decoder.generate(prompt, 32, mode, budget, policy, prefilled)
             ids = torch.tensor(prompt + res.tokens + [EOS[0]] * b)
             row = PackedRow(ids, torch.arange(ids.numel()), torch.ones_like(ids))
             runs.append((row, torch.tensor(res.anchors), res.accepted))
