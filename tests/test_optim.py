@@ -17,7 +17,15 @@ from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.planner import formulas as F
 from dflash_trainer.planner.report import workload_from_config
 from dflash_trainer.training.checkpoint import config_changes
-from dflash_trainer.training.optim import Optimizers, muon_matrices, schedule_factor, steps_for_epochs
+from dflash_trainer.training.optim import (
+    Muon,
+    Optimizers,
+    muon_matrices,
+    newton_schulz,
+    schedule_factor,
+    steps_for_epochs,
+)
+from dflash_trainer.training.precision import cpu_has_bf16_gemm, muon_ns_dtype
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import make_drafter
@@ -144,9 +152,59 @@ def test_muon_step_is_orthogonalized_and_the_planner_bounds_its_temporaries():
             s = s / (1e-3 * 0.2 * math.sqrt(max(a, b)))
             assert 0.3 < s.min() and s.max() < 1.7 and s.max() / s.min() < 4, s
             _, peak, _ = allocator_peak(opt.step)  # the momentum buffer exists now
-            assert F.muon_step_transient([(a, b)], "cuda") <= peak <= F.muon_step_transient([(a, b)], "cpu")
+            ns = muon_ns_dtype("cpu").itemsize  # this CPU's Newton-Schulz dtype
+            assert F.muon_step_transient([(a, b)], "cuda", ns) <= peak <= F.muon_step_transient([(a, b)], "cpu", ns)
         else:
             assert s.max() / s.min() > 4, s
+
+
+@pytest.mark.parametrize("nesterov, adjust", [(True, "match_rms_adamw"), (False, "original"), (True, None)])
+def test_our_muon_in_bf16_is_torchs_muon_bit_for_bit(nesterov, adjust):
+    """Muon with ns_dtype=bf16 is torch.optim.Muon: the same parameters and momentum buffers bit for bit
+    after three steps on tall, wide and square matrices, and the same state dict (a checkpoint of
+    either loads into the other)."""
+    torch.manual_seed(0)
+    shapes = [(48, 80), (80, 48), (64, 64)]
+    start = [torch.randn(*s) * 0.05 for s in shapes]
+    grads = [[torch.randn(*s) for s in shapes] for _ in range(3)]
+    runs = {}
+    for name in ("ours", "torch"):
+        params = [torch.nn.Parameter(x.clone()) for x in start]
+        kw = dict(lr=2e-3, weight_decay=0.05, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust)
+        opt = Muon(params, ns_dtype=torch.bfloat16, **kw) if name == "ours" else torch.optim.Muon(params, **kw)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        runs[name] = (params, opt)
+    (ours, a), (theirs, b) = runs["ours"], runs["torch"]
+    assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+    assert all(torch.equal(a.state[x]["momentum_buffer"], b.state[y]["momentum_buffer"]) for x, y in zip(ours, theirs))
+    assert a.state_dict()["param_groups"] == b.state_dict()["param_groups"]
+    b.load_state_dict(a.state_dict())
+
+
+def test_newton_schulz_in_fp32_is_closer_to_float64_than_torchs_bf16():
+    """The fp32 iteration (CPUs without bf16 GEMMs) carries 16 more mantissa bits than bf16 through the
+    same five polynomial steps, so its distance to the float64 iteration is below bf16's by far: at
+    least 2^8 smaller (the 2^16 of the units less a 2^8 allowance for how each rounds its way through
+    the iteration). The momentum buffer it is given is never written to."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+
+    torch.manual_seed(1)
+    coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+    for shape in [(64, 256), (256, 64), (96, 96)]:
+        g = torch.randn(*shape)
+        kept = g.clone()
+        exact = newton_schulz(g.double(), coefficients, DEFAULT_NS_STEPS, EPS, torch.float64)
+        err = {
+            dt: (newton_schulz(g, coefficients, DEFAULT_NS_STEPS, EPS, dt).double() - exact).norm().item()
+            for dt in (torch.bfloat16, torch.float32)
+        }
+        assert err[torch.float32] <= err[torch.bfloat16] / 2**8, (shape, err)
+        assert torch.equal(g, kept)
+    assert muon_ns_dtype("cuda") == torch.bfloat16
+    assert muon_ns_dtype("cpu") == (torch.bfloat16 if cpu_has_bf16_gemm() else torch.float32)
 
 
 MUON_WSD = ["train.optimizer=muon", "train.schedule=wsd", "loss.position_weights=dpace"]

@@ -279,10 +279,16 @@ def test_bf16_autocast_training_keeps_fp32_master_weights_and_tracks_fp32(tmp_pa
     assert states and all(s.dtype == torch.float32 for s in states)
 
 
-def test_preferred_train_dtype_follows_the_cpu():
+def test_preferred_train_dtype_follows_the_cpu(monkeypatch):
     from dflash_trainer.training.precision import cpu_has_bf16_gemm, preferred_train_dtype
 
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     native = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")) or " bf16" in flags
-    assert cpu_has_bf16_gemm() == native
-    assert preferred_train_dtype("cpu") == ("bfloat16" if native else "float32")
+    for isa, allowed in ((None, True), ("AVX2", False), ("avx512_core", False), ("AVX512_CORE_BF16", True)):
+        if isa is None:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:  # oneDNN held below bf16 instructions emulates them on any CPU
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        assert cpu_has_bf16_gemm() == (native and allowed), isa
+        assert preferred_train_dtype("cpu") == ("bfloat16" if native and allowed else "float32"), isa

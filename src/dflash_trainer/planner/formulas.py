@@ -232,15 +232,17 @@ def muon_state_bytes(params: int, tensors: int, matrices: list[tuple[int, int]])
     return 4 * in_muon + optimizer_state_bytes(params - in_muon, tensors - len(matrices))
 
 
-def muon_step_transient(matrices: list[tuple[int, int]], device: str = "cuda") -> int:
-    """Muon's step, one matrix ``[A, B]`` at a time: the Nesterov update in fp32 (4AB), its bf16 copy and
-    the next Newton-Schulz iterate (2AB each), the ``m x m`` Gram matrix and its polynomial in bf16
-    (m = min(A, B)); the largest matrix sets it. On a CPU a bf16 GEMM may convert its operands and its
-    result to fp32 (a workspace of at most 4 (m^2 + 2 m n), n = max(A, B)); cuBLAS needs none."""
+def muon_step_transient(matrices: list[tuple[int, int]], device: str = "cuda", ns_bytes: int = 2) -> int:
+    """Muon's step, one matrix ``[A, B]`` at a time: the Nesterov update in fp32 (4AB), its copy in the
+    Newton-Schulz dtype and the next iterate (``ns_bytes`` AB each: 2 for bf16, 4 where a CPU without
+    bf16 GEMMs iterates in fp32), the ``m x m`` Gram matrix and its polynomial (m = min(A, B)); the
+    largest matrix sets it. On a CPU a bf16 GEMM may convert its operands and its result to fp32 (a
+    workspace of at most 4 (m^2 + 2 m n), n = max(A, B)); cuBLAS and fp32 GEMMs need none."""
 
     def one(a: int, b: int) -> int:
         m, n = min(a, b), max(a, b)
-        return 8 * a * b + 4 * m * m + (4 * (m * m + 2 * m * n) if device == "cpu" else 0)
+        converts = device == "cpu" and ns_bytes == 2
+        return 4 * a * b + ns_bytes * (2 * a * b + 2 * m * m) + (4 * (m * m + 2 * m * n) if converts else 0)
 
     return max((one(a, b) for a, b in matrices), default=0)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..loss.fused import planned_epilogue
+from ..training.precision import muon_ns_dtype
 from . import formulas as F
 from .shapes import GB, TargetShape, target_param_count
 
@@ -319,7 +320,8 @@ def drafter_phases(
         matrices = F.muon_matrix_shapes(w, d)
         rest = params - sum(a * b for a, b in matrices)
         step_tmp = max(
-            F.optimizer_step_transient(rest, F.muon_rest_largest(w, d), dev), F.muon_step_transient(matrices, dev)
+            F.optimizer_step_transient(rest, F.muon_rest_largest(w, d), dev),
+            F.muon_step_transient(matrices, dev, muon_ns_dtype(dev).itemsize),
         )
     phases["optimizer"] = {**static, "gradients (fp32)": grads, tmp_name: step_tmp}
     if naive:  # the loss on materialized [N, V] tensors replaces the fused loss
