@@ -56,3 +56,10 @@ def in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProce
                 os.environ[k] = v
     shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue() + shown)
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 300, process: bool = True) -> tuple[int, str, str]:
+    """``(exit status, stdout, stderr)`` of ``dflash-train ARGS``: ``as_process`` or, with ``process``
+    false (a check's further cases), ``in_process``."""
+    done = as_process(*args, env=env, timeout=timeout) if process else in_process(*args, env=env)
+    return done.returncode, done.stdout, done.stderr

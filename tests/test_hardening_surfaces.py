@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_runs import as_process, in_process
+from cli_runs import run
 
 from dflash_trainer.data.prepare import DataRequest, ensure_prepared, prepare_data, tokenizer_fingerprint
 from dflash_trainer.data.storage import PreparedData, StorageError
@@ -29,11 +29,9 @@ CHAT = {
 }
 
 
-def cli(*args, timeout=300, env=None, process=True):
-    """``(exit status, stdout, stderr)`` of ``dflash-train ARGS``: as its own process, or (``process``
-    false: a parametrized check's further cases) in this one (tests/cli_runs.py)."""
-    run = as_process(*args, env=env, timeout=timeout) if process else in_process(*args, env=env)
-    return run.returncode, run.stdout, run.stderr
+def cli(*args, env=None, timeout=300, process=True):
+    """``(exit status, stdout, stderr)``: tests/cli_runs.py's ``run``."""
+    return run(*args, env=env, timeout=timeout, process=process)
 
 
 def one_error_line(err: str) -> str:

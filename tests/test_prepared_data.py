@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_runs import as_process, in_process
+from cli_runs import run
 
 from dflash_trainer.data.documents import load_documents
 from dflash_trainer.data.packing import pack_documents, plan_rows
@@ -322,11 +322,9 @@ def test_truncated_or_corrupt_storage_files_are_one_line_naming_them(tmp_path, t
         PreparedData(folder)
 
 
-def cli(*args, env=None, process=True):
-    """``(exit status, stdout, stderr)`` of ``dflash-train ARGS``: as its own process, or in this one
-    (``process`` false: the checks after a test's first runs; tests/cli_runs.py)."""
-    run = as_process(*args, env=env, timeout=600) if process else in_process(*args, env=env)
-    return run.returncode, run.stdout, run.stderr
+def cli(*args, env=None, timeout=600, process=True):
+    """``(exit status, stdout, stderr)``: tests/cli_runs.py's ``run``."""
+    return run(*args, env=env, timeout=timeout, process=process)
 
 
 def test_prepare_data_command_then_train_reads_it_and_verify_finds_corruption(tmp_path):

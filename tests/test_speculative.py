@@ -2,12 +2,10 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
-from cli_runs import in_process
+from cli_runs import as_process, in_process
 from trained import EOS, train_on_greedy
 
 from dflash_trainer.data.blocks import build_blocks
@@ -70,53 +68,26 @@ def test_chain_tau_equals_teacher_forcing_at_the_visited_anchors(trained):
         assert teacher_forced == res.accepted[: len(anchors)]
 
 
+def speculate_cli(trained, prompts, out, *extra, process=True):
+    """``dflash-train speculate`` with ``trained``'s drafter on ``prompts``: as its own process, or (a
+    refusal before any work) in this one (tests/cli_runs.py)."""
+    args = ["speculate", "--drafter", str(trained["ckpt"]), "--input", str(prompts), "--output", str(out), *extra]
+    return as_process(*args, timeout=600) if process else in_process(*args)
+
+
 def test_cli_reports_tau_speedup_and_agreement(trained, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in trained["records"][:3]))
     out = tmp_path / "spec.jsonl"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_trainer.cli",
-            "speculate",
-            "--mode",
-            "ddtree",
-            "--budget",
-            "4",
-            "--budget",
-            "32",
-            "--drafter",
-            str(trained["ckpt"]),
-            "--input",
-            str(prompts),
-            "--output",
-            str(out),
-            "--max-new-tokens",
-            "32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = speculate_cli(
+        trained, prompts, out, "--mode", "ddtree", "--budget", "4", "--budget", "32", "--max-new-tokens", "32"
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "spec.jsonl.report.json").read_text())
     assert set(report["modes"]) == {"ddtree-4", "ddtree-32"}
     for mode in report["modes"].values():
         assert mode["mismatches"] == 0 and 1.0 <= mode["tau"] <= 8 and mode["speedup"] > 0
-    bad = in_process(  # refused before any work: in this process (tests/cli_runs.py)
-        "speculate",
-        "--mode",
-        "ddtree",
-        "--budget",
-        "0",
-        "--drafter",
-        str(trained["ckpt"]),
-        "--input",
-        str(prompts),
-        "--output",
-        str(tmp_path / "x.jsonl"),
-    )
+    bad = speculate_cli(trained, prompts, tmp_path / "x.jsonl", "--mode", "ddtree", "--budget", "0", process=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "dflash-train: error: --budget must be >= 1, got 0"
     ]
@@ -544,27 +515,8 @@ def test_cli_speculative_sampling(trained, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in trained["records"][:2]))
 
-    def speculate(out, *extra):
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dflash_trainer.cli",
-                "speculate",
-                "--drafter",
-                str(trained["ckpt"]),
-                "--input",
-                str(prompts),
-                "--output",
-                str(out),
-                "--max-new-tokens",
-                "16",
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+    def speculate(out, *extra, process=True):
+        return speculate_cli(trained, prompts, out, "--max-new-tokens", "16", *extra, process=process)
 
     out = tmp_path / "s.jsonl"
     result = speculate(
@@ -577,19 +529,7 @@ def test_cli_speculative_sampling(trained, tmp_path):
     assert mode["mismatches"] is None and 1.0 <= mode["tau"] <= 8
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(r["ddtree-8_text"] for r in records)
-    bad = in_process(  # refused before any work: in this process (tests/cli_runs.py)
-        "speculate",
-        "--drafter",
-        str(trained["ckpt"]),
-        "--input",
-        str(prompts),
-        "--output",
-        str(tmp_path / "x.jsonl"),
-        "--temperature",
-        "1",
-        "--top-p",
-        "1.5",
-    )
+    bad = speculate(tmp_path / "x.jsonl", "--temperature", "1", "--top-p", "1.5", process=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "dflash-train: error: --top-p must be in (0, 1], got 1.5"
     ]
