@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from demo_bench import demo_data, kept_runs, results_header, train_on_demo_data
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # The settings compared; every recipe sets all of them, so that a recipe means the same whatever the
@@ -69,24 +71,11 @@ def run_one(root: Path, recipe: str, seed: int, max_steps: int) -> dict:
     """Train one (recipe, seed) in this process and score it; returns its result row."""
     import torch
 
-    from dflash_trainer.config import load_config
     from dflash_trainer.inference.acceptance import acceptance_report
-    from dflash_trainer.training.setup import prepare
-    from dflash_trainer.training.trainer import Trainer
 
     out = root / f"{recipe}-s{seed}"
-    data = [f"data.train_files=[{root / 'data' / 'train.jsonl'}]", f"data.eval_files=[{root / 'data' / 'eval.jsonl'}]"]
-    cfg = load_config(
-        ["tiny-demo"],
-        [*data, f"output_dir={out}", f"train.seed={seed}", "train.dtype=float32", f"train.max_steps={max_steps}"]
-        + overrides(recipe),
-    )
-    target, tok, train_rows, eval_rows, _ = prepare(cfg)
-    trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=out, target_path="tiny", progress=False)
-    t1 = time.time()
-    trainer.fit(overwrite=True)
-    seconds = time.time() - t1
-    rows = eval_rows[: cfg.data.max_eval_rows]
+    settings = [f"train.seed={seed}", "train.dtype=float32", f"train.max_steps={max_steps}", *overrides(recipe)]
+    _, target, trainer, rows, seconds = train_on_demo_data(root, out, settings)
     rep = acceptance_report(target, trainer.drafter, rows, budgets=[16], decode_path=True)
     return {
         "recipe": recipe,
@@ -108,19 +97,6 @@ def command_line(args) -> str:
     return cmd + (f" --recipes {' '.join(args.recipes)}" if args.recipes != list(RECIPES) else "")
 
 
-def kept_runs(args) -> list:
-    """The earlier runs of the recipes this invocation does not rerun (``--recipes``)."""
-    f = RESULTS / "recipes.json"
-    if args.recipes == list(RECIPES) or not f.is_file():
-        return []
-    old = json.loads(f.read_text())
-    return [
-        {"date": r.get("date", old["date"]), "command": r.get("command", old["command"]), **r}
-        for r in old["runs"]
-        if r["recipe"] not in args.recipes
-    ]
-
-
 def mean(xs):
     return sum(xs) / len(xs)
 
@@ -128,17 +104,7 @@ def mean(xs):
 def write_results(args, root: Path, runs: list, t0: float) -> None:
     """benchmarks/results/recipes.{json,md} from the runs so far."""
     RESULTS.mkdir(exist_ok=True)
-    info = {
-        "command": command_line(args),
-        "records": {
-            "train": sum(1 for _ in open(root / "data" / "train.jsonl")),
-            "eval": sum(1 for _ in open(root / "data" / "eval.jsonl")),
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "total_seconds": round(time.time() - t0, 1),
-        "base": BASE,
-        "runs": runs,
-    }
+    info = {**results_header(root, command_line(args), t0), "base": BASE, "runs": runs}
     (RESULTS / "recipes.json").write_text(json.dumps(info, indent=1) + "\n")
     by_recipe: dict[str, list] = {}
     for r in runs:
@@ -188,14 +154,9 @@ def main() -> None:
         print(json.dumps(run_one(root, args.one[0], int(args.one[1]), args.max_steps)), flush=True)
         return
 
-    from dflash_trainer.commands.demo import run_demo
-    from dflash_trainer.config import load_config
-
     t0 = time.time()
-    if not (root / "data" / "eval.jsonl").exists():  # the demo's regenerated data, once
-        base = load_config(["tiny-demo"], [f"output_dir={root / 'data'}", "train.max_steps=1"])
-        run_demo(base, prompts_per_file=4)
-    runs = kept_runs(args)
+    demo_data(root)
+    runs = kept_runs(RESULTS / "recipes.json", "recipe", args.recipes, list(RECIPES))
     todo = [(recipe, seed) for recipe in args.recipes for seed in args.seeds]
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.jobs > 1 else dict(os.environ)
     running: list[tuple[subprocess.Popen, str, int]] = []

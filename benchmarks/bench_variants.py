@@ -21,15 +21,12 @@ import time
 from pathlib import Path
 
 import torch
+from demo_bench import demo_data, kept_runs, results_header, train_on_demo_data
 
-from dflash_trainer.commands.demo import run_demo
-from dflash_trainer.config import load_config
 from dflash_trainer.inference.acceptance import acceptance_report
 from dflash_trainer.inference.regenerate import eos_ids
 from dflash_trainer.inference.sampled_acceptance import chain_tau_both_ways
-from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.step import draft_loss, drafter_step, produce_row_features
-from dflash_trainer.training.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ["dflash", "dspark", "dflash2"]
@@ -63,31 +60,10 @@ def command_line(args) -> str:
     )
 
 
-def kept_runs(args) -> list:
-    """The earlier runs of the variants this invocation does not rerun (``--variants``)."""
-    f = RESULTS / "variants.json"
-    if args.variants == list(VARIANTS) or not f.is_file():
-        return []
-    old = json.loads(f.read_text())
-    return [
-        {"date": old["date"], "command": old["command"], **r} for r in old["runs"] if r["variant"] not in args.variants
-    ]
-
-
 def write_results(args, root: Path, results: list, t0: float) -> None:
     """benchmarks/results/variants.{json,md} from the runs so far."""
     RESULTS.mkdir(exist_ok=True)
-    info = {
-        "command": command_line(args),
-        "records": {
-            "train": sum(1 for _ in open(root / "data" / "train.jsonl")),
-            "eval": sum(1 for _ in open(root / "data" / "eval.jsonl")),
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "torch_threads": torch.get_num_threads(),
-        "total_seconds": round(time.time() - t0, 1),
-        "runs": results,
-    }
+    info = {**results_header(root, command_line(args), t0), "torch_threads": torch.get_num_threads(), "runs": results}
     (RESULTS / "variants.json").write_text(json.dumps(info, indent=1) + "\n")
     lines = [
         "# DFlash vs DSpark vs DFlash2 on the tiny target (demo data and budget)",
@@ -152,37 +128,19 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
     root = Path(args.out)
-    base = load_config(["tiny-demo"], [f"output_dir={root / 'data'}", "train.dtype=bfloat16"])
     t0 = time.time()
-    if not (root / "data" / "eval.jsonl").exists():  # the demo's regenerated data, once
-        run_demo(
-            base.model_copy(update={"train": base.train.model_copy(update={"max_steps": 1})}),
-            prompts_per_file=args.prompts_per_file,
-        )
-    data = [f"data.train_files=[{root / 'data' / 'train.jsonl'}]", f"data.eval_files=[{root / 'data' / 'eval.jsonl'}]"]
-    results = kept_runs(args)
+    demo_data(root, args.prompts_per_file, ("train.dtype=bfloat16",))
+    results = kept_runs(RESULTS / "variants.json", "variant", args.variants, list(VARIANTS))
     for variant in args.variants:
         for seed in args.seeds:
-            out = root / f"{variant}-s{seed}"
-            cfg = load_config(
-                ["tiny-demo"],
-                [
-                    *data,
-                    f"output_dir={out}",
-                    f"drafter.variant={variant}",
-                    f"train.seed={seed}",
-                    "train.dtype=bfloat16",
-                    f"train.max_steps={args.max_steps}",
-                ],
+            settings = [f"drafter.variant={variant}", f"train.seed={seed}", "train.dtype=bfloat16"]
+            cfg, target, trainer, rows, seconds = train_on_demo_data(
+                root, root / f"{variant}-s{seed}", [*settings, f"train.max_steps={args.max_steps}"]
             )
-            target, tok, train_rows, eval_rows, _ = prepare(cfg)
-            trainer = Trainer(cfg, target, tok, train_rows, eval_rows, out_dir=out, target_path="tiny", progress=False)
-            t1 = time.time()
-            trainer.fit(overwrite=True)
-            seconds = time.time() - t1
-            rows = eval_rows[: cfg.data.max_eval_rows]
             rep = acceptance_report(target, trainer.drafter, rows, budgets=[16, 64], decode_path=True)
-            t1_tau = chain_tau_both_ways(target, trainer.drafter, rows, eos_ids(target.model, tok), temperature=1.0)
+            t1_tau = chain_tau_both_ways(
+                target, trainer.drafter, rows, eos_ids(target.model, trainer.tokenizer), temperature=1.0
+            )
             results.append(
                 {
                     "variant": variant,
