@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from dflash_trainer.config import load_config
+from dflash_trainer.precision import preferred_train_dtype
 from dflash_trainer.training.checkpoint import verify_checkpoint
-from dflash_trainer.training.precision import preferred_train_dtype
 
 
 def test_demo_end_to_end(tmp_path):

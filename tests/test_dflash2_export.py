@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from test_export import bf16_rounded, float64_parity_bound, float64_target
 
 from dflash_trainer.config.schema import DrafterConfig
+from dflash_trainer.drafter_folder import load_drafter, save_drafter
 from dflash_trainer.errors import UserError
 from dflash_trainer.export.formats import check_export, export_checkpoint, zlab_features
 from dflash_trainer.export.layouts import load_any_drafter, read_drafter_folder
@@ -22,7 +23,6 @@ from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.variants import make_drafter, variant_of
 
 ANCHORS = list(range(5, 150, 12))  # 13 blocks of 8 on a held-out row of 160 tokens: 91 selected tokens

@@ -11,9 +11,9 @@ import torch
 from test_speculative import check_expected_acceptance, check_sampling_is_lossless, sampled_runner
 from trained import EOS, train_on_greedy
 
+from dflash_trainer.drafter_folder import load_drafter
 from dflash_trainer.inference.acceptance import acceptance_report
 from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
-from dflash_trainer.training.checkpoint import load_drafter
 from dflash_trainer.variants import variant_of
 
 STEPS = 100

@@ -8,10 +8,10 @@ import torch
 from test_train import SMALL, fused_and_reference_in_float64, losses, write_data
 
 from dflash_trainer.config import load_config
+from dflash_trainer.drafter_folder import load_drafter
 from dflash_trainer.inference.acceptance import acceptance_report
 from dflash_trainer.inference.speculative import SpeculativeDecoder, target_greedy
 from dflash_trainer.model.target import TargetModel
-from dflash_trainer.training.checkpoint import load_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.step import drafter_step, needs_teacher, produce_row_features
 from dflash_trainer.training.trainer import Trainer

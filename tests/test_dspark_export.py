@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, bf16_rounded, float64_parity_bound, float64_target
 
 from dflash_trainer.config.schema import DrafterConfig
+from dflash_trainer.drafter_folder import load_drafter, save_drafter
 from dflash_trainer.errors import UserError
 from dflash_trainer.export.formats import export_checkpoint
 from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.variants import make_drafter, variant_of
 
 SCRIPT = "speculators_dspark_logits.py"  # in tests/external

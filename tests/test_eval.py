@@ -16,12 +16,12 @@ from dflash_trainer.config import TargetConfig, load_config
 from dflash_trainer.data.blocks import valid_anchor_positions
 from dflash_trainer.data.packing import PackedRow, doc_ids_from_positions
 from dflash_trainer.data.records import iter_records
+from dflash_trainer.drafter_folder import load_drafter, save_drafter
 from dflash_trainer.inference.acceptance import EvalInputError, acceptance_report, tau_by_context
 from dflash_trainer.inference.regenerate import regenerate_records
 from dflash_trainer.model.loading import load_target
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer, build_drafter
 

@@ -14,6 +14,7 @@ from transformers import AutoModel
 
 from dflash_trainer.commands.train import warn_unservable
 from dflash_trainer.config import DrafterConfig, RunConfig
+from dflash_trainer.drafter_folder import load_drafter, save_drafter
 from dflash_trainer.errors import UserError
 from dflash_trainer.export.formats import (
     EXPORT_INFO,
@@ -26,7 +27,6 @@ from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target, tiny_target_path
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 
 ANCHORS = [9, 50, 101, 140]
 # The drafters exported here: the defaults, sliding windows (causal inside the block), and a hooked
@@ -275,7 +275,8 @@ def rewrite_weights(folder, change):
 
 
 def test_check_names_each_problem(setup, tmp_path):
-    good = setup["root"] / "speculators"
+    good = tmp_path / "good"  # its own export: the test does not lean on another test having run first
+    export_checkpoint(setup["ckpt"], good, "speculators", target_model=setup["target"].model)
     assert run_cli("export", "--check", str(good)).returncode == 0
     bad = tmp_path / "bad"
     export_checkpoint(setup["ckpt"], bad, "speculators", target_model=setup["target"].model)

@@ -216,9 +216,9 @@ def test_whole_flow(folders, tmp_path, family):
     import io
 
     from dflash_trainer.config import load_config
+    from dflash_trainer.drafter_folder import save_drafter
     from dflash_trainer.export.formats import check_export, export_checkpoint, load_export
     from dflash_trainer.planner.preflight import preflight
-    from dflash_trainer.training.checkpoint import save_drafter
     from dflash_trainer.training.setup import prepare
     from dflash_trainer.training.trainer import Trainer
 

@@ -834,7 +834,7 @@ CHECKPOINT_FIELDS = [
 
 @pytest.mark.parametrize("path", CHECKPOINT_FIELDS, ids=[".".join(p) for p in CHECKPOINT_FIELDS])
 def test_every_checkpoint_config_field_of_the_wrong_type_is_one_line(checkpoint, tmp_path, path):
-    from dflash_trainer.training.checkpoint import CONFIG, read_checkpoint_config
+    from dflash_trainer.drafter_folder import CONFIG, read_checkpoint_config
 
     folder = tmp_path / "ckpt"
     shutil.copytree(checkpoint[0], folder)

@@ -16,6 +16,7 @@ from dflash_trainer.config import load_config
 from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.planner import formulas as F
 from dflash_trainer.planner.report import workload_from_config
+from dflash_trainer.precision import cpu_has_bf16_gemm, muon_ns_dtype
 from dflash_trainer.training.checkpoint import config_changes
 from dflash_trainer.training.optim import (
     Muon,
@@ -25,7 +26,6 @@ from dflash_trainer.training.optim import (
     schedule_factor,
     steps_for_epochs,
 )
-from dflash_trainer.training.precision import cpu_has_bf16_gemm, muon_ns_dtype
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import make_drafter

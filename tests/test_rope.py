@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModel, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_trainer.config import load_config
+from dflash_trainer.drafter_folder import load_drafter
 from dflash_trainer.errors import UserError
 from dflash_trainer.export.formats import export_checkpoint, load_export
 from dflash_trainer.model.drafter import DFlashDrafter
@@ -23,7 +24,6 @@ from dflash_trainer.model.rope import rope_cos_sin, rope_inv_freq
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -25,12 +25,12 @@ from safetensors.torch import load_file, save_file
 from test_export import ANCHORS, bf16_rounded, block_logits, float64_parity_bound, float64_target, make_checkpoint
 from transformers import AutoModel
 
+from dflash_trainer.drafter_folder import load_drafter
 from dflash_trainer.export.formats import export_checkpoint, zlab_features
 from dflash_trainer.model.drafter import DFlashDrafter
 from dflash_trainer.model.target import TargetModel
 from dflash_trainer.tiny_target import load_tiny_target
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter
 
 SCRIPT = "speculators_block_logits.py"  # in tests/external
 

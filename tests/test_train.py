@@ -280,7 +280,7 @@ def test_bf16_autocast_training_keeps_fp32_master_weights_and_tracks_fp32(tmp_pa
 
 
 def test_preferred_train_dtype_follows_the_cpu(monkeypatch):
-    from dflash_trainer.training.precision import cpu_has_bf16_gemm, preferred_train_dtype
+    from dflash_trainer.precision import cpu_has_bf16_gemm, preferred_train_dtype
 
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     native = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")) or " bf16" in flags

@@ -24,9 +24,9 @@ import torch
 from filelock import FileLock
 
 from dflash_trainer.config import load_config
+from dflash_trainer.drafter_folder import load_drafter, save_drafter
 from dflash_trainer.inference.speculative import target_greedy
 from dflash_trainer.tiny_target.corpus import load_split
-from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import build_drafter
 

@@ -24,6 +24,7 @@ from trained import greedy_batch, held_out_prompts
 from dflash_trainer.config import load_config
 from dflash_trainer.data.documents import Document
 from dflash_trainer.data.packing import pack_documents
+from dflash_trainer.drafter_folder import load_drafter, save_drafter
 from dflash_trainer.export.formats import export_checkpoint
 from dflash_trainer.inference.acceptance import decode_path_acceptance
 from dflash_trainer.inference.speculative import SpeculativeDecoder
@@ -31,7 +32,6 @@ from dflash_trainer.model.target import TargetModel
 from dflash_trainer.serving.launch import run_vllm as serving_run
 from dflash_trainer.serving.launch import vllm_env, vllm_tau  # noqa: F401  (the tests' and benchmark's)
 from dflash_trainer.tiny_target import load_tiny_target, tiny_target_path
-from dflash_trainer.training.checkpoint import load_drafter, save_drafter
 from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import make_drafter

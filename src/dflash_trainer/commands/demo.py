@@ -24,8 +24,8 @@ from ..inference.regenerate import eos_ids, regenerate_records
 from ..inference.sampled_acceptance import chain_tau_both_ways
 from ..io import atomic_write_json, atomic_write_text
 from ..model.loading import load_target, resolve_target_path
+from ..precision import preferred_train_dtype
 from ..tiny_target.corpus import load_split
-from ..training.precision import preferred_train_dtype
 from ..training.setup import prepare
 from ..training.trainer import Trainer
 from ..variants import variant_of

@@ -188,7 +188,7 @@ def _target_path(metas: list[dict], cfg, overrides: list[str]) -> str:
 def _check_checkpoint(path: Path, meta: dict, config, cfg):
     """The checkpoint's ``DrafterSpec`` after checking it against the target's text ``config``
     (hidden size, vocabulary, layer count): done before the target's weights are loaded."""
-    from ..training.checkpoint import check_against_config, checkpoint_spec
+    from ..drafter_folder import check_against_config, checkpoint_spec
 
     ids = list(meta["target"]["layer_ids"])
     if cfg.target.layer_ids is not None and list(cfg.target.layer_ids) != ids:

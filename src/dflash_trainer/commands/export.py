@@ -7,10 +7,10 @@ import argparse
 from pathlib import Path
 
 from ..config import TargetConfig
+from ..drafter_folder import read_checkpoint_config
 from ..errors import UserError
 from ..export.formats import check_export, export_checkpoint
 from ..model.loading import load_target
-from ..training.checkpoint import read_checkpoint_config
 
 
 def run_export(args: argparse.Namespace) -> int:

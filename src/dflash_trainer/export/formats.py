@@ -38,12 +38,12 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 
+from ..drafter_folder import WEIGHTS as CKPT_WEIGHTS
+from ..drafter_folder import checkpoint_spec, read_checkpoint_config
 from ..errors import UserError, check_schema
 from ..io import atomic_folder
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from ..model.loading import resolve_target_path
-from ..training.checkpoint import WEIGHTS as CKPT_WEIGHTS
-from ..training.checkpoint import checkpoint_spec, read_checkpoint_config
 from ..variants import block_span, make_drafter, variant_of
 from .layouts import EXPORT_INFO, MODEL_WEIGHTS, foreign_folder_problems, load_drafter_folder, read_drafter_folder
 from .semantics import FORMATS, SEMANTICS, mismatches
@@ -550,10 +550,10 @@ def _smoke_test(folder, fmt, spec, layer_ids, info, tdir, checkpoint, report: Ch
     """Block logits of the export (its weights read back, features extracted as its stack extracts them)
     against the checkpoint's (weights rounded to bf16 as exported), on real rows, in fp32."""
     from ..config import TargetConfig
+    from ..drafter_folder import load_drafter
     from ..model.loading import load_target
     from ..model.target import TargetModel
     from ..tiny_target.corpus import load_split
-    from ..training.checkpoint import load_drafter
 
     ckpt = Path(checkpoint or (info or {}).get("checkpoint") or "")
     if not (ckpt / CKPT_WEIGHTS).is_file():

@@ -437,7 +437,7 @@ def _load_weights(drafter: DFlashDrafter, folder: Path, assign: bool = False) ->
 
 def load_drafter_folder(folder: Path, target, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """A ``DFlashDrafter`` from a z-lab or speculators drafter folder, for ``target`` (a ``TargetModel``)."""
-    from ..training.checkpoint import check_against_target
+    from ..drafter_folder import check_against_target
 
     d = read_drafter_folder(folder)
     check_against_target(d.spec, d.layer_ids, target, f"drafter {folder}")
@@ -448,14 +448,14 @@ def load_drafter_folder(folder: Path, target, dtype: torch.dtype = torch.float32
 
 
 def is_checkpoint(path: Path) -> bool:
-    from ..training.checkpoint import CONFIG
+    from ..drafter_folder import CONFIG
 
     return (Path(path) / CONFIG).is_file()
 
 
 def drafter_meta(path: Path) -> dict:
     """Metadata of a drafter checkpoint, or of a z-lab / speculators drafter folder in the same shape."""
-    from ..training.checkpoint import CONFIG, WEIGHTS, read_checkpoint_config
+    from ..drafter_folder import CONFIG, WEIGHTS, read_checkpoint_config
 
     if is_checkpoint(path) or not (Path(path) / "config.json").is_file():
         if not is_checkpoint(path):
@@ -469,7 +469,7 @@ def drafter_meta(path: Path) -> dict:
 
 def load_any_drafter(path: Path, target, dtype: torch.dtype = torch.float32) -> tuple[DFlashDrafter, dict]:
     """``(drafter in eval mode, metadata)`` of a checkpoint or a z-lab / speculators drafter folder."""
-    from ..training.checkpoint import load_drafter
+    from ..drafter_folder import load_drafter
 
     if is_checkpoint(path):
         return load_drafter(path, target, dtype)

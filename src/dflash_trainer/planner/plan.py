@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..loss.fused import planned_epilogue
-from ..training.precision import muon_ns_dtype
+from ..precision import muon_ns_dtype
 from . import formulas as F
 from .shapes import GB, TargetShape, target_param_count
 

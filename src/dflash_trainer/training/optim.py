@@ -26,8 +26,8 @@ import math
 import torch
 
 from ..config import RunConfig
+from ..precision import muon_ns_dtype
 from ..variants import variant_of
-from .precision import muon_ns_dtype
 
 MUON_LR_MATCH = "match_rms_adamw"
 
