@@ -860,3 +860,21 @@ def test_eval_temperature_nan_is_refused(checkpoint, tmp_path):
     ckpt, data = checkpoint
     code, _, err = cli("eval", str(ckpt), "--data", str(data), "--out", str(tmp_path / "e"), "--temperature", "nan")
     assert code == 2 and "--temperature must be >= 0, got nan" in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "--check", "FOLDER", "--serve", "vllm", "--limit", "0"],
+        ["export", "--check", "FOLDER", "--serve", "vllm", "--max-new-tokens", "-1"],
+        ["speculate", "--drafter", "D", "--input", "I", "--output", "O", "--limit", "0"],
+        ["generate", "--input", "I", "--output", "O", "--max-new-tokens", "0"],
+    ],
+)
+def test_counts_below_one_are_refused_before_any_work(args):
+    """A count of prompts or tokens below 1 is one argparse line (exit 2) naming the option, before any
+    file is read: `export --serve --limit 0` used to decode every prompt of its input."""
+    status, out, err = cli(*args, process=False)
+    option = args[-2]
+    assert status == 2 and f"argument {option}: must be >= 1" in err, err
+    assert "Traceback" not in err and out == ""

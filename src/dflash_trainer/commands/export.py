@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..config import TargetConfig
+from ..config.cli_args import positive_int
 from ..drafter_folder import read_checkpoint_config
 from ..errors import UserError
 from ..export.formats import check_export, export_checkpoint
@@ -56,9 +57,10 @@ def serve_check(folder: str, target_path: str | None, inputs: list[str] | None, 
     project's speculative decoder: vLLM's greedy output must be the target's plain greedy output, and
     its tau (1 + accepted / drafts) ours within 2%. Problems, one line each; the numbers are printed."""
     from ..config import TargetConfig
-    from ..data.records import Record, iter_records
+    from ..data.records import iter_records
     from ..export.formats import read_export, recorded_verifier, resolve_verifier
     from ..export.layouts import drafter_meta, load_any_drafter
+    from ..inference.prompts import chat_prompts
     from ..inference.regenerate import eos_ids
     from ..inference.speculative import SpeculativeDecoder, target_greedy
     from ..model.loading import load_target_model, resolve_target_path
@@ -76,16 +78,7 @@ def serve_check(folder: str, target_path: str | None, inputs: list[str] | None, 
     )
     drafter, _ = load_any_drafter(Path(folder), target)
     records = iter_records(inputs) if inputs else build_prompts(1)
-    prompts = []
-    for rec in records:
-        messages = rec.messages if isinstance(rec, Record) else rec.get("messages") if isinstance(rec, dict) else None
-        first = next((i for i, m in enumerate(messages or []) if m["role"] == "assistant"), None)
-        if first is None:
-            continue
-        ids = tok.apply_chat_template(messages[:first], tokenize=True, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        if len(prompts) >= limit:
-            break
+    prompts = [ids for _, ids in chat_prompts(records, tok, limit)]
     if not prompts:
         raise UserError("--serve needs chat prompts: the --input has no chat record with an assistant turn")
     eos = eos_ids(target.model, tok)
@@ -150,8 +143,10 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
         "greedy output and acceptance with this project's speculative decoding",
     )
     p.add_argument("--input", action="append", default=None, metavar="PATH", help="with --serve: chat JSONL prompts")
-    p.add_argument("--limit", type=int, default=8, help="with --serve: prompts to decode (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="with --serve: tokens per prompt (default 128)")
+    p.add_argument("--limit", type=positive_int, default=8, help="with --serve: prompts to decode (default 8)")
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="with --serve: tokens per prompt (default 128)"
+    )
     p.add_argument("paths", nargs="*", metavar="CHECKPOINT OUT")
     p.set_defaults(func=run_export)
     return p

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from ..config.cli_args import add_config_args, resolve_config
+from ..config.cli_args import add_config_args, positive_int, resolve_config
 from ..data.records import expand_paths, iter_records
 from ..data.sources import count_records
 from ..errors import UserError
@@ -69,13 +69,6 @@ def _writing(partial: Path):
             f"cannot write the output next to {partial}: {exc.strerror or exc}; the records written so far "
             f"are kept in {partial}, rerun the same command to continue"
         ) from None
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _top_p(text: str) -> float:
@@ -247,12 +240,12 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         help="JSONL file or folder of *.jsonl; repeat for several",
     )
     p.add_argument("--output", required=True, metavar="OUT.jsonl", help="output JSONL (its folder must exist)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per assistant turn (default 256)")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="records generated together (default 8)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per assistant turn (default 256)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="records generated together (default 8)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass when sampling (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N input records")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N input records")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument(
         "--engine",

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config.cli_args import add_config_args, resolve_config
+from ..config.cli_args import add_config_args, positive_int, resolve_config
 from ..errors import UserError
 from ..io import atomic_write_json, atomic_write_text
 
@@ -27,8 +27,9 @@ def run_speculate(args: argparse.Namespace) -> int:
     """Decode each prompt with the target alone and speculatively, check they agree token for token,
     report tau, tokens/s and the speedup; exit status 1 when any output differs."""
     from ..config import TargetConfig
-    from ..data.records import Record, iter_records
+    from ..data.records import iter_records
     from ..export.layouts import drafter_meta, load_any_drafter
+    from ..inference.prompts import chat_prompts
     from ..inference.regenerate import eos_ids
     from ..inference.sampling import verification_policy
     from ..inference.speculative import SpeculativeDecoder, target_greedy, target_sample
@@ -57,18 +58,7 @@ def run_speculate(args: argparse.Namespace) -> int:
     model = target.model
     drafter, _ = load_any_drafter(args.drafter, target, dtype=model.dtype)
     eos = eos_ids(model, tok)
-    prompts = []
-    for rec in iter_records(args.input):
-        if not isinstance(rec, Record) or rec.messages is None:
-            continue
-        first_assistant = next((i for i, m in enumerate(rec.messages) if m["role"] == "assistant"), None)
-        if first_assistant is None:
-            continue
-        ids = tok.apply_chat_template(rec.messages[:first_assistant], tokenize=True, add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        prompts.append((f"{rec.source}:{rec.line}", list(ids)))
-        if args.limit and len(prompts) >= args.limit:
-            break
+    prompts = chat_prompts(iter_records(args.input), tok, args.limit)
     if not prompts:
         raise UserError("no prompts: the input has no chat record with an assistant turn")
     options = {}
@@ -145,13 +135,6 @@ def run_speculate(args: argparse.Namespace) -> int:
     return 1 if any(s["mismatches"] for s in summary["modes"].values()) else 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "speculate",
@@ -189,8 +172,8 @@ def add_speculate_parser(subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="DDTree node budget; repeat for several (default 64)",
     )
-    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per prompt (default 256)")
-    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per prompt (default 256)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N prompts")
     p.add_argument(
         "--temperature",
         type=float,

@@ -8,6 +8,14 @@ from .loader import load_config
 from .schema import RunConfig
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (prompts, tokens, batch size): an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None, set_help: str | None = None) -> None:
     """Repeatable ``--config FILE|PRESET`` (later wins) and ``--set KEY=VALUE`` (after every file)."""
     p.add_argument(
