@@ -26,7 +26,7 @@ DFlash2's candidates (``--topk``): the cost of ``top_k=16`` (each row's 16 best 
 the loss pass) in the native kernel at V = 151,936, fp32 and bf16, in ONE process, interleaved with
 ``top_k=0`` (order alternating each repetition): the kernel alone on one chunk of 128 raw-logit rows
 (CE + 15% KL, with its gradient pass), the whole loss forward+backward (N = 512, 4 chunks), and for
-comparison ``torch.topk`` over the same raw chunk (what the Triton and inductor paths add per chunk).
+comparison ``torch.topk`` over the same raw chunk (what the Triton path adds per chunk).
 
 GEMM-floor efficiency (``--efficiency``, fp32 and bf16, first shape): in ONE process, the GEMM
 floor and each implementation run interleaved, repeated, the order rotating each repetition. The
@@ -59,7 +59,7 @@ SHAPES = [(4096, 256, 32000), (4096, 256, 151_936), (24_576, 256, 248_320)]
 CHUNK = 128  # rows per chunk for the fused loss and for Liger
 TERMS = {"kl_weight": 0.15, "temperature": 1.0}
 # The fused loss's implementations of a chunk's element-wise work (fused_draft_loss's `compile`).
-KERNELS = {"fused (native)": "native", "fused (inductor)": "inductor", "fused (eager)": False}
+KERNELS = {"fused (native)": "native", "fused (eager)": False}
 MARKOV_SHAPES = [(256, 256, 8192), (4096, 256, 151_936)]  # the tiny demo's loss (32 x 8 rows), and V = 151,936
 MARKOV_RANK = 256  # drafter.dspark.markov_rank's default
 # name -> fused_draft_loss's DSpark arguments (CE with data labels, as the tiny demo's loss section)
@@ -266,7 +266,7 @@ def run_worker(variant: str, n: int, h: int, v: int, reps: int, timeout: int) ->
 
 def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, reps: int, variants) -> list[dict]:
     """Floor and implementations interleaved in this process; one row per implementation."""
-    from dflash_trainer.loss import fused, native
+    from dflash_trainer.loss import native
 
     torch.set_num_threads(threads)
     hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(n, h, v))
@@ -293,14 +293,12 @@ def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, re
         return timed
 
     runs = {"floor": floor, **{name: make(name) for name in variants}}
-    compile_before = dict(fused.COMPILE_SECONDS)
     native.reset()  # so that the native kernel's first call says whether it was built or read from the cache
     warmup = {}
-    for name, fn in runs.items():  # warm-up; the compiled variant compiles here, once for this shape
+    for name, fn in runs.items():  # warm-up; the native kernel is built (or read from its cache) here
         t0 = time.perf_counter()
         fn()
         warmup[name] = time.perf_counter() - t0
-    compile_s = sum(sec for key, sec in fused.COMPILE_SECONDS.items() if compile_before.get(key) != sec)
     times = {name: [] for name in runs}
     names = list(runs)
     for rep in range(reps):
@@ -325,9 +323,6 @@ def efficiency_rows(dtype: torch.dtype, n: int, h: int, v: int, threads: int, re
             "reps": reps,
             "floor_gflops": 6 * n * h * v / statistics.median(times["floor"]) / 1e9,
         }
-        if name == "fused (inductor)":
-            row["compile_s"] = compile_s
-            row["first_call_s"] = warmup[name]
         if name == "fused (native)":
             row["compile_s"] = native.BUILD_SECONDS or 0.0  # 0: the library came from the disk cache
             row["first_call_s"] = warmup[name]
@@ -376,7 +371,7 @@ def topk_rows(dtype: torch.dtype, reps: int) -> list[dict]:
     pairs = {
         f"native kernel, one chunk [{CHUNK}, V]": (kernel(0), kernel(TOPK)),
         f"loss fwd+bwd, N={n} (native)": (loss(0), loss(TOPK)),
-        # what a Triton or inductor chunk adds: its kernel, then torch.topk over the raw chunk
+        # what a Triton chunk adds: its kernel, then torch.topk over the raw chunk
         f"kernel then torch.topk on the chunk [{CHUNK}, V]": (kernel(0), kernel_then_topk),
     }
     rows = []
@@ -465,7 +460,7 @@ def topk_markdown(rows: list[dict], meta: dict) -> str:
     lines += [
         "",
         "The last row of each dtype is the native kernel without its selection followed by torch.topk over the "
-        "raw chunk, what the Triton and inductor paths do (measured here on the CPU, as a scale: on a GPU both "
+        "raw chunk, what the Triton path does (measured here on the CPU, as a scale: on a GPU "
         "costs differ).",
     ]
     return "\n".join(lines) + "\n"

@@ -170,17 +170,14 @@ def test_markov_bias_never_allocates_positions_by_vocab(compiled):
 
 
 def test_per_row_terms_run_in_the_native_kernel_on_the_cpu(monkeypatch):
-    """compile="auto" on the CPU keeps the native kernel with DSpark's terms on; a kernel without them
-    (inductor, and Triton for now) gives way to the eager passes, and the planner sees the same."""
+    """compile="auto" on the CPU keeps the native kernel with DSpark's terms on (every kernel computes
+    them in its row pass), and the planner sees the same."""
     monkeypatch.delenv(fused.COMPILE_ENV, raising=False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for dtype in (torch.bfloat16, torch.float32, F64):
-        assert fused.epilogue_kind("auto", cpu, dtype, 10**9, per_row=True) == "native"
-    assert fused.epilogue_kind("inductor", cpu, torch.float32, 10**9, per_row=True) == "eager"
-    assert fused.epilogue_kind("inductor", cpu, torch.float32, 10**9) == "inductor"
-    gpu = fused.planned_epilogue("auto", "cuda", torch.bfloat16, 10**9, per_row=True)
-    assert gpu == ("triton" if "triton" in fused.PER_ROW_KINDS else "eager")
-    assert fused.epilogue_kind(False, cuda, torch.bfloat16, 10, per_row=True) == "eager"
+        assert fused.epilogue_kind("auto", cpu, dtype) == "native" == fused.planned_epilogue("auto", "cpu", dtype)
+    assert fused.planned_epilogue("auto", "cuda", torch.bfloat16) == "triton"
+    assert fused.epilogue_kind(False, cuda, torch.bfloat16) == "eager"
 
 
 def raw_rows(rows=9, v=3000, seed=0, dtype=F64):

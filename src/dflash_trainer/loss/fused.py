@@ -28,22 +28,21 @@ Three implementations of a chunk's element-wise work, same math, tested equal in
   logit and distribution and writes G in the head's dtype for the last GEMM. Built once per machine
   with the system's C++ compiler (about a second). The CPU default: with a bf16 head the exponentials
   are what is left once the GEMMs run at bf16 speed.
-- ``_chunk_epilogue`` through ``torch.compile`` (inductor: Triton on GPU, C++ on CPU): one generated
-  kernel that reads the raw logits in three passes and recomputes exponentials instead of storing
-  them (four or more per logit with KL). The GPU default. Compiled once per loss configuration,
-  dtype and vocabulary (``COMPILE_SECONDS`` records how long).
+- the Triton kernel (``loss/triton_epilogue.py``): the same row-resident passes for CUDA. The GPU default.
 
 The two kernels keep ``c*V*12`` bytes of buffers with an fp32 head, ``c*V*6`` with bf16, plus the
-same CAP subset. DSpark's per-row terms (acceptance, Renyi-1/2, D-PARD credit) run in the native
-and Triton kernels' row passes and in the eager passes (``PER_ROW_KINDS``); where inductor would run,
-such a call runs the eager passes. Where a kernel cannot be built (no C++ compiler, say) the loss warns once and runs
-another implementation.
+same CAP subset. DSpark's per-row terms (acceptance, Renyi-1/2, D-PARD credit) run in the kernels'
+row passes and in the eager passes. Where a kernel cannot run (no C++ compiler, no triton) the loss
+runs the eager passes (the native kernel warns once). ``torch.compile``'s inductor used to be a fourth
+implementation; it was slower than the native kernel at every measured shape and dtype on the CPU
+(``benchmarks/results/loss_efficiency.md``: 46-58% of the GEMM floor in fp32 against 74-79%, 15-29%
+in bf16 against 46-64%) and needs what the two kernels need (a C++ compiler, triton), so it was removed.
 
 DFlash2's candidates (``top_k`` K > 0): each row's K largest transformed student logits and their ids
 come out of the same chunk loop, so that the candidate selector only ever sees ``[N, K]``. The native
 kernel selects them in its row pass from the block maxima its first pass already has (it reads only
 the few blocks of the row that hold them; no extra ``[c, V]`` buffer); the eager passes run
-``torch.topk`` over the chunk's transformed logits, and after the Triton and inductor kernels a
+``torch.topk`` over the chunk's transformed logits, and after the Triton kernel a
 ``torch.topk`` reads the chunk's raw-logit buffer once more (then K values per row are transformed).
 The loss and its gradient do not depend on ``top_k`` (bit-identical). Measured at V = 151,936, K = 16
 (``benchmarks/results/loss_topk.md``, 2 CPU threads): the native kernel's chunk time grows by about
@@ -54,7 +53,6 @@ CPU chunk alone costs about 0.8-0.9x the whole native kernel, which is why the k
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -68,11 +66,7 @@ from . import native
 # log measured; the budget must hold in the worst case.
 BYTES_PER_CHUNK_ELEMENT = 26
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # 256 MiB of chunk workspace when neither chunk_size nor budget is given
-# Off the CPU, compile="auto" compiles the chunk epilogue with inductor when the call has at least
-# this many logits (N x V): a compile costs 10-40 s once per configuration, which pays off at real
-# vocabularies and batch sizes, not on the tiny demo (256 x 8,192) or in unit tests.
-COMPILE_MIN_LOGITS = 2**24
-COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" / "native" / "inductor" override compile="auto"
+COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" / "native" / "triton" override compile="auto"
 
 
 @dataclass(frozen=True)
@@ -314,18 +308,18 @@ def _kernel_chunk(
 ):
     """One chunk with a kernel for the element-wise work: the logit GEMMs in the head's dtype (the
     Markov ``bias`` added to the raw student logits), then ``epilogue`` (``_native_epilogue``,
-    ``_triton_epilogue`` or ``_inductor_epilogue``: row terms, G in the head's dtype), then ``G @ W``
+    or ``_triton_epilogue``: row terms, G in the head's dtype), then ``G @ W``
     (and the bias's gradients). Same returns as ``_eager_chunk``; None if the epilogue failed to
     compile (the caller then runs the eager passes).
 
-    DSpark's per-row terms (``t.per_row_terms``; kernels in ``PER_ROW_KINDS``) come out of the same
+    DSpark's per-row terms (``t.per_row_terms``) come out of the same
     row pass: acceptance and Renyi value per row, the Renyi gradient inside G. With D-PARD a row's
     coefficient is its block's credit, known only once the kernel has the acceptance of all the
     block's rows: the kernel then writes G with coefficient 1, and the credit scales G's rows on the
     small sides of the GEMMs that follow (``[c, H]``, ``[c, r]``), never as another pass over G.
 
     DFlash2's candidates (``t.top_k`` K > 0) go to ``extra["topk"]`` (logits ``[c, K]``, ids ``[c, K]``):
-    the native kernel selects them in its row pass; after the Triton and inductor kernels a
+    the native kernel selects them in its row pass; after the Triton kernel a
     ``torch.topk`` reads the chunk's raw-logit buffer once more and the K values are transformed
     (the transform is monotone: increasing, or decreasing for a negative logit scale)."""
     zs_raw = torch.mm(hs_rows, weight.T, out=buffers["zs"])  # [c, V] untransformed
@@ -397,166 +391,29 @@ def _transformed(z: torch.Tensor, t: LossTerms) -> torch.Tensor:
     return z
 
 
-def _chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
-    """Everything element-wise of one chunk, written for ``torch.compile`` to make one kernel of.
-
-    ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits in the head's dtype, ``y`` ``[c]`` data labels (None
-    with teacher labels), ``coef`` ``[c]`` = w / sum w in the compute dtype, ``g_out`` ``[c, V]``
-    (head dtype) receives G w.r.t. the raw logits, or None. Returns the row reductions ``[c]`` that
-    ``_row_terms`` turns into the loss terms (None where a term is off).
-
-    Shaped for the code generator: two reduction stages that depend only on the row maxima (so no
-    ``[c, V]`` intermediate is stored: each reads the logits again and recomputes its exponentials),
-    then the gradient pass; no per-row value is computed between them as a separate output, which
-    lets inductor run all three passes of a row in one loop while the row is in cache.
-    """
-    a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
-    zs = _transformed(zs_raw.to(coef.dtype), t)
-    m_s, s_arg = zs.max(-1)
-    e_s = torch.exp(zs - m_s[:, None])
-    sum_s, zsum_s = e_s.sum(-1), (e_s * zs).sum(-1)  # at Tc = 1, entropy = lse - zsum_s / sum_s
-    sum_c = zsum_c = m_t = t_arg = sum_t = usum_t = cross_t = sum_T = None
-    if tc != 1.0:
-        zc = zs / tc
-        e_c = torch.exp(zc - (m_s / tc)[:, None])
-        sum_c, zsum_c = e_c.sum(-1), (e_c * zc).sum(-1)
-    if zt_raw is not None:
-        zt = _transformed(zt_raw.to(coef.dtype), t)
-        m_t, t_arg = zt.max(-1)
-        if y is None:
-            y = t_arg
-        if a > 0:
-            u = (zt - m_t[:, None]) / temp  # shifted tempered teacher logits: q^T = exp(u) / sum_t
-            e_t = torch.exp(u)
-            zT = zs if temp == 1.0 else zs / temp
-            sum_t, usum_t, cross_t = e_t.sum(-1), (e_t * u).sum(-1), (e_t * zT).sum(-1)
-            if temp != 1.0:
-                sum_T = torch.exp(zT - (m_s / temp)[:, None]).sum(-1)
-    if g_out is not None:
-        # G = coef [ (1-a)(p - e_y) + a T (p^T - q^T) ], then the chain rule through the transform
-        is_label = torch.arange(zs.shape[1], device=zs.device)[None, :] == y[:, None]
-        lse = m_s + sum_s.log()
-        g = (1 - a) * (torch.exp(zs - lse[:, None]) - is_label.to(zs.dtype))
-        if a > 0:
-            lse_T = lse if temp == 1.0 else m_s / temp + sum_T.log()
-            q = torch.exp(u - sum_t.log()[:, None])
-            g = g + (a * temp) * (torch.exp(zT - lse_T[:, None]) - q)
-        g = g * coef[:, None]
-        if t.softcap:
-            g = g * (1 - (zs / t.softcap) ** 2)
-        if t.logit_scale != 1.0:
-            g = g * t.logit_scale
-        g_out.copy_(g)
-    return m_s, s_arg, sum_s, zsum_s, sum_c, zsum_c, m_t, t_arg, sum_t, usum_t, cross_t, sum_T
-
-
-def _row_terms(reductions, zs_raw, y, t: LossTerms):
-    """``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` from ``_chunk_epilogue``'s row reductions."""
-    m_s, s_arg, sum_s, zsum_s, sum_c, zsum_c, m_t, t_arg, sum_t, usum_t, cross_t, sum_T = reductions
-    temp, tc = t.temperature, t.cap_temperature
-    lse = m_s + sum_s.log()
-    if tc == 1.0:
-        entropy = lse - zsum_s / sum_s
-    else:
-        entropy = (m_s / tc + sum_c.log()) - zsum_c / sum_c
-    kl = torch.zeros_like(lse)
-    if sum_t is not None:  # KL = sum q log q - sum q log p^T
-        lse_T = lse if temp == 1.0 else m_s / temp + sum_T.log()
-        kl = (usum_t / sum_t - sum_t.log()) - (cross_t / sum_t - lse_T)
-    if y is None:
-        y = t_arg
-    z_y = _transformed(zs_raw.gather(1, y[:, None]).squeeze(1).to(lse.dtype), t)
-    return lse, z_y, s_arg, t_arg, entropy, kl
-
-
-# Seconds spent compiling the epilogue (tracing, code generation and the C++ or Triton build: the
-# calls that produced a new graph), keyed by a description of what was compiled; benchmarks report it.
-COMPILE_SECONDS: dict[str, float] = {}
-_FAILED: set[str] = set()
-_compiled_fn = None
-
-
-def _inductor_epilogue(zs_raw, zt_raw, y, coef, g_out, t: LossTerms):
-    """``_chunk_epilogue`` through ``torch.compile`` (inductor: C++ on CPU, Triton on GPU) and
-    ``_row_terms``, or None if it cannot compile here (warned once per configuration; the caller falls
-    back to the eager passes)."""
-    global _compiled_fn
-    key = (
-        f"{zs_raw.device.type} {str(zs_raw.dtype).removeprefix('torch.')} V={zs_raw.shape[1]} "
-        f"teacher={zt_raw is not None} grad={g_out is not None} {t}"
-    )
-    if key in _FAILED:
-        return None
-    try:
-        if _compiled_fn is None:
-            _compiled_fn = torch.compile(_chunk_epilogue, fullgraph=True)
-        for x in (zs_raw, zt_raw, y, coef, g_out):
-            if x is not None:  # one kernel for every chunk length (the last chunk, compacted rows)
-                torch._dynamo.maybe_mark_dynamic(x, 0)
-        graphs, t0 = _graph_count(), time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=64):  # one entry per loss configuration
-            out = _compiled_fn(zs_raw, zt_raw, y, coef, g_out, t)
-        if _graph_count() > graphs:  # this call compiled (a new configuration, or chunks of 1 row)
-            COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
-    except Exception as e:  # no C++ compiler, an inductor limitation, ...: today's eager passes
-        _FAILED.add(key)
-        warnings.warn(
-            f"fused_draft_loss: the chunk epilogue did not compile ({type(e).__name__}: {str(e)[:200]}); "
-            "using the eager passes",
-            stacklevel=2,
-        )
-        return None
-    return _row_terms(out, zs_raw, y, t)
-
-
-def _graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # heads the Triton kernel takes (loss/triton_epilogue.py)
-# The chunk epilogues that compute DSpark's per-row terms in their row pass (the others give way to the eager passes).
-PER_ROW_KINDS = ("native", "triton", "eager")
-COMPILE_CHOICES = (True, False, "auto", "native", "triton", "inductor")
+COMPILE_CHOICES = (True, False, "auto", "native", "triton")
 
 
-def planned_epilogue(
-    compile: bool | str, device_type: str, dtype: torch.dtype, logits: int, per_row: bool = False
-) -> str:
-    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "triton",
-    "inductor" or "eager", assuming the kernel it names can be built (the planner's view;
-    ``epilogue_kind`` checks).
+def planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype) -> str:
+    """The implementation of a chunk's element-wise work that ``compile`` asks for: "native", "triton"
+    or "eager", assuming the kernel it names can be built (the planner's view; ``epilogue_kind`` checks).
 
     ``compile``: "native" (the CPU kernel), "triton" (the CUDA kernel; on the CPU only under
-    ``TRITON_INTERPRET=1``), "inductor", True (the kernel for the device: native on the CPU for
-    bf16/fp32/fp64 heads, Triton on CUDA for bf16/fp32 heads, else inductor), False (eager passes) or
-    "auto": the environment's DFLASH_LOSS_COMPILE (0, 1, inductor, or native / triton where it applies)
-    if set, else the device's kernel where it applies (building it costs about a second, once per
-    machine or process) and inductor for ``logits`` = N x V >= COMPILE_MIN_LOGITS elsewhere.
-    ``per_row`` (DSpark's acceptance / Renyi / D-PARD): a kernel not in ``PER_ROW_KINDS`` gives way to
-    the eager passes.
+    ``TRITON_INTERPRET=1``), True or "auto" (the kernel for the device: native on the CPU for
+    bf16/fp32/fp64 heads, Triton on CUDA for bf16/fp32 heads, else the eager passes) or False (the
+    eager passes); "auto" first reads the environment's DFLASH_LOSS_COMPILE (0, 1, or native / triton
+    where it applies).
     """
-    kind = _planned_epilogue(compile, device_type, dtype, logits)
-    return "eager" if per_row and kind not in PER_ROW_KINDS else kind
-
-
-def _planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype, logits: int) -> str:
     native_fits = device_type == "cpu" and dtype in native.ENTRY
     triton_fits = device_type == "cuda" and dtype in TRITON_DTYPES
     if compile == "auto":  # the environment asks for a kernel where it applies
         env = os.environ.get(COMPILE_ENV, "")
-        by_env = {
-            "0": False,
-            "1": True,
-            "native": "native" if native_fits else "auto",
-            "triton": "triton" if triton_fits else "auto",
-            "inductor": "inductor",
-        }
-        compile = by_env.get(env, "auto")
+        by_env = {"0": False, "1": True, "native": "native" if native_fits else "auto"}
+        compile = by_env.get(env, "triton" if env == "triton" and triton_fits else "auto")
     if compile not in COMPILE_CHOICES:
         raise ValueError(
-            f"fused_draft_loss: compile must be 'auto', True, False, 'native', 'triton' or 'inductor', got {compile!r}"
+            f"fused_draft_loss: compile must be 'auto', True, False, 'native' or 'triton', got {compile!r}"
         )
     if compile is False:
         return "eager"
@@ -568,34 +425,29 @@ def _planned_epilogue(compile: bool | str, device_type: str, dtype: torch.dtype,
         if dtype not in TRITON_DTYPES:
             raise ValueError(f"fused_draft_loss: compile='triton' takes a bf16 or fp32 head, got {dtype}")
         return "triton"
-    if native_fits and compile in (True, "native", "auto"):
+    if native_fits:
         return "native"
-    if triton_fits and compile in (True, "auto"):
+    if triton_fits:
         return "triton"
-    if compile in (True, "inductor") or logits >= COMPILE_MIN_LOGITS:
-        return "inductor"
     return "eager"
 
 
-def epilogue_kind(
-    compile: bool | str, device: torch.device, dtype: torch.dtype, logits: int, per_row: bool = False
-) -> str:
-    """What a call runs: ``planned_epilogue``, except that a kernel that cannot run here falls back to
-    what "auto" would run without it: inductor for large calls, else eager. A native kernel that cannot
-    be built warns once; Triton chosen by default but not installed falls back silently (inductor, as
-    before it existed); Triton asked for by name where it cannot run is an error."""
-    kind = planned_epilogue(compile, device.type, dtype, logits, per_row)
+def epilogue_kind(compile: bool | str, device: torch.device, dtype: torch.dtype) -> str:
+    """What a call runs: ``planned_epilogue``, except that a kernel that cannot run here gives way to
+    the eager passes. A native kernel that cannot be built warns once; Triton chosen by default but not
+    installed falls back silently; Triton asked for by name where it cannot run is an error."""
+    kind = planned_epilogue(compile, device.type, dtype)
     if kind == "native" and native.load() is None:
         _warn_native_unavailable()
-        kind = "inductor" if logits >= COMPILE_MIN_LOGITS else "eager"
+        kind = "eager"
     if kind == "triton" and not triton_runs_on(device):
         if compile == "triton" or (compile == "auto" and os.environ.get(COMPILE_ENV) == "triton"):
             raise ValueError(
                 f"fused_draft_loss: compile='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on the "
                 f"CPU); here: {TRITON_ERROR or 'device ' + device.type}"
             )
-        kind = "inductor" if compile is True or logits >= COMPILE_MIN_LOGITS else "eager"  # as before Triton
-    return "eager" if per_row and kind not in PER_ROW_KINDS else kind
+        kind = "eager"
+    return kind
 
 
 _triton_module = None
@@ -655,7 +507,7 @@ def _warn_native_unavailable() -> None:
         )
 
 
-EPILOGUES = {"native": _native_epilogue, "triton": _triton_epilogue, "inductor": _inductor_epilogue, "eager": None}
+EPILOGUES = {"native": _native_epilogue, "triton": _triton_epilogue, "eager": None}
 
 
 @torch.no_grad()
@@ -925,7 +777,7 @@ def _loss_forward(
     topk_logits [N, K])`` of ``hs`` ``[N, H]``, K = ``top_k`` (0: both ``[N, 0]``).
 
     ``num_slots`` 0: no slots; ``policy`` is ``fused_draft_loss``'s ``compile`` as a string ("auto",
-    "native", "inductor", "true", "false"); ``dh`` (fp32, fp64 for fp64 inputs) is d loss / d hs, zero
+    "native", "triton", "true", "false"); ``dh`` (fp32, fp64 for fp64 inputs) is d loss / d hs, zero
     at weight-0 rows, when ``want_grad``; likewise the Markov bias's gradients. ``accept`` is the
     per-row acceptance (0 at weight-0 rows) when DSpark's per-row terms are on. The value checks that
     need the data run here."""
@@ -962,7 +814,7 @@ def _loss_forward(
         top_logits = torch.full((n, top_k), -torch.inf, dtype=f, device=hs.device)
         return hs.new_zeros((), dtype=f), stats, dh, accept, de, dw2, top_ids, top_logits
     compile = {"true": True, "false": False}.get(policy, policy)
-    kind = epilogue_kind(compile, hs.device, hs.dtype, n * weight.shape[0], terms.per_row_terms)
+    kind = epilogue_kind(compile, hs.device, hs.dtype)
     if tv_weight > 0:  # the kernels have no TV gradient: its few extra passes run eager
         kind = "eager"
     compiled = EPILOGUES[kind]
@@ -1134,8 +986,8 @@ def fused_draft_loss(
     equals label), ``agreement`` (student argmax equals teacher argmax), ``label_prob``, ``rows``,
     ``correct``; with ``slot_ids`` also ``per_slot`` tensors ``[num_slots]`` of the same.
 
-    ``compile``: run each chunk's element-wise work in a kernel: "native" (the CPU kernel), "inductor"
-    (``torch.compile``), True (the device's kernel), or as separate eager passes (False); "auto" (the
+    ``compile``: run each chunk's element-wise work in a kernel: "native" (the CPU kernel), "triton"
+    (the CUDA kernel), True (the device's kernel), or as separate eager passes (False); "auto" (the
     default) chooses, see ``epilogue_kind``. All give the same results (tested in float64); a kernel
     that cannot be built falls back to another implementation with one warning.
 
@@ -1166,7 +1018,7 @@ def fused_draft_loss(
 
     These per-row terms need the teacher. They are computed in the chunk's row pass with the other
     terms: in the native CPU kernel (the CPU's default), the Triton kernel (CUDA's) and the eager
-    passes; a call that would run inductor's kernel runs the eager passes (``PER_ROW_KINDS``).
+    passes.
 
     ``top_k`` K in ``[0, V]`` (DFlash2's candidates, 0 by default): the metrics gain ``topk_ids``
     ``[N, K]`` int64 and ``topk_logits`` ``[N, K]`` (fp32, fp64 for fp64 inputs; detached): each row's K
@@ -1227,7 +1079,7 @@ def fused_draft_loss(
     _check(
         "compile",
         compile in COMPILE_CHOICES,
-        "'auto', True, False, 'native', 'triton' or 'inductor'",
+        "'auto', True, False, 'native' or 'triton'",
         repr(compile),
     )
     per_row = acceptance or renyi_weight > 0 or dpard or tv_weight > 0

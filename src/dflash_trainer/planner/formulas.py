@@ -592,7 +592,7 @@ def loss_workspace(
 
     ``dh_s`` ``[N, H]`` fp32 over all ``N = queries`` rows (the op's outputs have static shapes; twice
     with CAP), and each chunk's ``[c, H]`` fp32 ``G @ W`` before it lands there. Per chunk, with ``kernel`` (the native CPU kernel or
-    inductor's, ``loss.fused.planned_epilogue``): the raw student and teacher logits and G, ``[c, V]``
+    Triton's, ``loss.fused.planned_epilogue``): the raw student and teacher logits and G, ``[c, V]``
     in the head dtype, and ``G @ W``'s ``[c, H]`` output before its fp32 copy. Without (the eager
     passes): the reused fp32 ``[c, V]`` buffers ``zs`` and ``p``, ``zt`` when teacher states are given,
     ``q`` with KL, and the largest transient of the chunk loop: the bf16 logits GEMM before its fp32

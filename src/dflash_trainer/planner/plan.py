@@ -443,13 +443,12 @@ def usable_for_peak(topo: Topology) -> int:
 
 def loss_kernel(w: F.Workload, topo: Topology, vocab: int) -> bool:
     """Whether the fused loss will run a kernel for its element-wise work on this device (the native
-    CPU kernel, or inductor's for large calls elsewhere), which keeps its chunk buffers in the head
-    dtype; else the eager passes' fp32 buffers. DSpark's per-row terms run in the native and Triton
-    kernels and give way to the eager passes where inductor's would run (``loss.fused.PER_ROW_KINDS``)."""
+    CPU kernel, or Triton's on CUDA), which keeps its chunk buffers in the head dtype; else the eager
+    passes' fp32 buffers. DSpark's per-row terms run in both kernels."""
     head_dtype = getattr(torch, w.target_dtype)
     if w.tv_weight > 0:  # TV's gradient runs in the eager passes (loss.fused)
         return False
-    return planned_epilogue("auto", topo.device, head_dtype, w.loss_rows * vocab, w.per_row_terms) != "eager"
+    return planned_epilogue("auto", topo.device, head_dtype) != "eager"
 
 
 def derive_chunk(
