@@ -57,12 +57,13 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(4096, 256, 32000), (4096, 256, 151_936), (24_576, 256, 248_320)]
 CHUNK = 128  # rows per chunk for the fused loss and for Liger
-TERMS = {"kl_weight": 0.15, "temperature": 1.0}
+TERMS = {"kl_weight": 0.15, "temperature": 1.0}  # LossTerms fields (loss_terms), also written to the results
 # The fused loss's implementations of a chunk's element-wise work (fused_draft_loss's `compile`).
 KERNELS = {"fused (native)": "native", "fused (eager)": False}
 MARKOV_SHAPES = [(256, 256, 8192), (4096, 256, 151_936)]  # the tiny demo's loss (32 x 8 rows), and V = 151,936
 MARKOV_RANK = 256  # drafter.dspark.markov_rank's default
-# name -> fused_draft_loss's DSpark arguments (CE with data labels, as the tiny demo's loss section)
+# name -> DSpark's options as the loss sees them (CE with data labels, as the tiny demo's loss section):
+# acceptance (DSpark's pair terms, the per-row acceptance and Renyi-1/2 at weight 0) and the Markov bias
 MARKOV_VARIANTS = {
     "dflash (CE)": {},
     "dspark without Markov head (CE + acceptance)": {"acceptance": True},
@@ -86,6 +87,16 @@ def make_inputs(n: int, h: int, v: int):
     return hs, ht, w_head, labels, weights
 
 
+def loss_terms(base: dict = TERMS, acceptance: bool = False, **extra):
+    """The loss's ``LossTerms``: the fields ``base`` (``TERMS`` by default) and ``extra``; with
+    ``acceptance`` DSpark's pair terms (the acceptance and Renyi-1/2, metrics only)."""
+    from dflash_trainer.loss import LossTerms, PairTerm
+
+    if acceptance:
+        extra["pair_terms"] = (PairTerm("accept", "overlap"), PairTerm("renyi", "renyi_half"))
+    return LossTerms(**base, **extra)
+
+
 def markov_inputs(n: int, v: int, r: int = MARKOV_RANK):
     """The Markov bias's trainable inputs: features ``[N, r]`` (``W1[prev]``) and ``W2`` ``[V, r]``."""
     g = torch.Generator().manual_seed(1)
@@ -100,13 +111,14 @@ def loss_step(variant: str, hs, ht, w_head, labels, weights):
     if variant in MARKOV_VARIANTS:
         from dflash_trainer.loss import fused_draft_loss
 
-        kw = dict(MARKOV_VARIANTS[variant])
-        if kw.pop("bias", False):
+        kw, options = {}, MARKOV_VARIANTS[variant]
+        if options.get("bias"):
             kw["bias_rows"], kw["bias_weight"] = markov_inputs(hs.shape[0], w_head.shape[0])
-        teacher = ht if kw.get("acceptance") else None  # DFlash's CE needs no teacher states
+        terms = loss_terms({}, options.get("acceptance", False))  # CE with data labels
+        teacher = ht if terms.needs_teacher else None  # DFlash's CE needs no teacher states
 
         def step():
-            loss, _ = fused_draft_loss(hs, teacher, w_head, labels, weights, chunk_size=CHUNK, **kw)
+            loss, _ = fused_draft_loss(hs, teacher, w_head, labels, weights, terms, chunk_size=CHUNK, **kw)
             loss.backward()
             for x in (kw.get("bias_rows"), kw.get("bias_weight")):
                 if x is not None:
@@ -114,19 +126,19 @@ def loss_step(variant: str, hs, ht, w_head, labels, weights):
     elif variant.startswith("fused"):
         from dflash_trainer.loss import fused_draft_loss
 
-        extra = {"cap_weight": 0.1} if variant == "fused+cap" else {}
+        terms = loss_terms(cap_weight=0.1) if variant == "fused+cap" else loss_terms()
         compile = KERNELS.get(variant, "auto")
 
         def step():
-            loss, _ = fused_draft_loss(
-                hs, ht, w_head, labels, weights, chunk_size=CHUNK, compile=compile, **TERMS, **extra
-            )
+            loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=CHUNK, compile=compile)
             loss.backward()
     elif variant == "reference":
         from dflash_trainer.loss import reference_draft_loss
 
+        terms = loss_terms()
+
         def step():
-            loss, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **TERMS)
+            loss, _ = reference_draft_loss(hs, ht, w_head, labels, weights, terms)
             loss.backward()
     elif variant == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
@@ -340,6 +352,7 @@ def topk_rows(dtype: torch.dtype, reps: int) -> list[dict]:
     """``top_k`` 0 vs TOPK, interleaved in this process: the native kernel on one chunk, the loss, torch.topk."""
     from dflash_trainer.loss import fused_draft_loss, native
 
+    terms = {k: loss_terms(top_k=k) for k in (0, TOPK)}
     n, h, v = TOPK_SHAPE
     hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(n, h, v))
     hs = hs.detach().requires_grad_()
@@ -349,21 +362,19 @@ def topk_rows(dtype: torch.dtype, reps: int) -> list[dict]:
     def kernel(k):
         def calls():  # TOPK_CALLS calls per timing: the clock's CPU time moves in scheduler ticks (4 ms here)
             for _ in range(TOPK_CALLS):
-                native.chunk_epilogue(zs, zt, y, coef, g_out, 0.15, 1.0, 1.0, 1.0, None, top_k=k)
+                native.chunk_epilogue(zs, zt, y, coef, g_out, terms[k])
 
         return calls
 
     def kernel_then_topk():
         for _ in range(TOPK_CALLS):
-            native.chunk_epilogue(zs, zt, y, coef, g_out, 0.15, 1.0, 1.0, 1.0, None)
+            native.chunk_epilogue(zs, zt, y, coef, g_out, terms[0])
             torch.topk(zs, TOPK)
 
     def loss(k):
         def step():
             hs.grad = None
-            out, _ = fused_draft_loss(
-                hs, ht, w_head, labels, weights, chunk_size=CHUNK, compile="native", top_k=k, **TERMS
-            )
+            out, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms[k], chunk_size=CHUNK, compile="native")
             out.backward()
 
         return step

@@ -464,7 +464,7 @@ def _attention_pass(row: dict, bf16: bool) -> bool:
 
 # -- 2. fused loss at the seed's shape ------------------------------------------------------------
 
-LOSS_TERMS = {"kl_weight": 0.15, "temperature": 1.0, "cap_weight": 0.1}
+LOSS_TERMS = {"kl_weight": 0.15, "temperature": 1.0, "cap_weight": 0.1}  # LossTerms fields
 
 
 def _as_loss(out) -> torch.Tensor:
@@ -477,7 +477,7 @@ def _as_loss(out) -> torch.Tensor:
 
 
 def section_loss(ctx: Context) -> dict:
-    from dflash_trainer.loss import fused_draft_loss, reference_draft_loss
+    from dflash_trainer.loss import LossTerms, fused_draft_loss, reference_draft_loss
     from dflash_trainer.loss.fused import epilogue_kind
 
     s, dev = ctx.sizes, ctx.device
@@ -492,10 +492,10 @@ def section_loss(ctx: Context) -> dict:
     a = LOSS_TERMS["kl_weight"]
     gemm_kl, gemm_ce = 6 * n * h * v, 4 * n * h * v  # student + teacher logits + G @ W; CE: no teacher
 
-    def fused(compile="auto", **terms):
-        return lambda: fused_draft_loss(
-            hs, ht if terms else None, head, labels, weights, chunk_size=c, compile=compile, **terms
-        )[0]
+    def fused(compile="auto", **fields):
+        terms = LossTerms(**fields)
+        teacher = ht if terms.needs_teacher else None  # CE with data labels: no teacher GEMM
+        return lambda: fused_draft_loss(hs, teacher, head, labels, weights, terms, chunk_size=c, compile=compile)[0]
 
     # The chunk epilogue "auto" runs here (Triton on CUDA where triton imports), and the eager passes beside it.
     kernel = epilogue_kind("auto", dev, dtype)
@@ -536,7 +536,7 @@ def section_loss(ctx: Context) -> dict:
     variants.append(
         (
             "reference (full logits) CE + 15% KL + CAP",
-            lambda: reference_draft_loss(hs, ht, head, labels, weights, **LOSS_TERMS)[0],
+            lambda: reference_draft_loss(hs, ht, head, labels, weights, LossTerms(**LOSS_TERMS))[0],
             gemm_kl,
         )
     )

@@ -215,7 +215,7 @@ def predict_case(case: Case, accuracy: float | None = None) -> dict:
         return {"peak": sum(items.values()), "start": items["target weights"], "items": items}
     chunk = cfg.loss.chunk_size
     if chunk is None:
-        from dflash_trainer.loss.fused import chunk_rows
+        from dflash_trainer.loss.chunks import chunk_rows
 
         chunk = chunk_rows(shape.vocab_size, None, None)  # what draft_loss does without a chunk size
     correct = 1.0 if accuracy is None else accuracy

@@ -15,6 +15,7 @@ from dflash_trainer.data.blocks import build_blocks, sample_anchors
 from dflash_trainer.data.packing import doc_ids_from_positions
 from dflash_trainer.errors import UserError
 from dflash_trainer.inference.ddtree import draft_tree
+from dflash_trainer.loss import LossTerms
 from dflash_trainer.loss.logits import transform_logits
 from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.variants import make_drafter, variant_of
@@ -231,8 +232,8 @@ def plain_dflash2_loss(drafter, hidden, head, labels, weights, prev, k, alpha, t
     the weighted K-way cross-entropy over the top K (the label replacing the weakest when outside)."""
     from dflash_trainer.loss import reference_draft_loss
 
-    base, _ = reference_draft_loss(hidden, None, head, labels, weights, **terms)
-    z = transform_logits(hidden @ head.T, logit_scale=terms["logit_scale"], softcap=terms["softcap"])
+    base, _ = reference_draft_loss(hidden, None, head, labels, weights, terms)
+    z = transform_logits(hidden @ head.T, logit_scale=terms.logit_scale, softcap=terms.softcap)
     sel = drafter.candidate_selector
     total, wsum = 0.0, 0.0
     for i in range(hidden.shape[0]):
@@ -268,12 +269,10 @@ def test_the_dflash2_loss_and_its_gradients_match_the_plain_objective(small_targ
     weights[::B] = 0.0
     prev = torch.randint(0, 64, (n,), generator=g)
     batch = SimpleNamespace(weights=weights, labels=labels, slots=torch.arange(n) % B, extras={"prev_ids": prev})
-    terms = dict(kl_weight=0.0, cap_weight=0.2, label_source="data", logit_scale=0.9, softcap=softcap)
-    loss, metrics = variant.loss(
-        drafter, hidden, None, head, batch, {"terms": terms, "chunk_size": 7}, reference=reference
-    )
+    terms = LossTerms(kl_weight=0.0, cap_weight=0.2, label_source="data", logit_scale=0.9, softcap=softcap)
+    loss, metrics = variant.loss(drafter, hidden, None, head, batch, terms, {"chunk_size": 7}, reference=reference)
     alpha = drafter.spec.variant_options["selector_alpha"]
-    terms_ref = dict(cap_weight=0.2, logit_scale=0.9, softcap=softcap)
+    terms_ref = LossTerms(cap_weight=0.2, logit_scale=0.9, softcap=softcap)
     want = plain_dflash2_loss(drafter, hidden, head, labels, weights, prev, 5, alpha, terms_ref)
     params = [hidden, *drafter.candidate_selector.parameters()]
     got_g = torch.autograd.grad(loss, params, retain_graph=True)

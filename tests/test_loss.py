@@ -13,6 +13,9 @@ from kernel_builds import COMPILED, NATIVE_BUILDS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trainer.loss import (
+    BlockCredit,
+    LossTerms,
+    PairTerm,
     chunk_rows,
     fused,
     fused_draft_loss,
@@ -40,16 +43,16 @@ def make_inputs(n=41, h=16, v=60, dtype=F64, seed=0, correct_share=0.5):
 
 
 TERMS = {
-    "ce": {},
-    "kl_only": {"kl_weight": 1.0, "temperature": 2.0},
-    "cap_only": {"kl_weight": 0.0, "cap_weight": 0.7},
-    "cap_tempered": {"cap_weight": 0.7, "cap_temperature": 0.6},
-    "combined_T1": {"kl_weight": 0.15, "cap_weight": 0.1},
-    "combined_T": {"kl_weight": 0.15, "temperature": 1.8, "cap_weight": 0.1},
-    "teacher_labels": {"kl_weight": 0.3, "temperature": 0.7, "cap_weight": 0.2, "label_source": "teacher"},
-    "softcap_scale": {"kl_weight": 0.2, "temperature": 1.5, "cap_weight": 0.3, "softcap": 2.5, "logit_scale": 0.8},
-    "softcap_ce": {"softcap": 4.0},
-    "ce_with_unused_temperature": {"temperature": 2.0},  # T only tempers the KL term
+    "ce": LossTerms(),
+    "kl_only": LossTerms(kl_weight=1.0, temperature=2.0),
+    "cap_only": LossTerms(kl_weight=0.0, cap_weight=0.7),
+    "cap_tempered": LossTerms(cap_weight=0.7, cap_temperature=0.6),
+    "combined_T1": LossTerms(kl_weight=0.15, cap_weight=0.1),
+    "combined_T": LossTerms(kl_weight=0.15, temperature=1.8, cap_weight=0.1),
+    "teacher_labels": LossTerms(kl_weight=0.3, temperature=0.7, cap_weight=0.2, label_source="teacher"),
+    "softcap_scale": LossTerms(kl_weight=0.2, temperature=1.5, cap_weight=0.3, softcap=2.5, logit_scale=0.8),
+    "softcap_ce": LossTerms(softcap=4.0),
+    "ce_with_unused_temperature": LossTerms(temperature=2.0),  # T only tempers the KL term
 }
 
 
@@ -59,14 +62,14 @@ KERNELS = pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "
 @KERNELS
 @pytest.mark.parametrize("name", list(TERMS))
 def test_matches_reference_float64(name, compiled):
-    kw = TERMS[name]
+    terms = TERMS[name]
     hs, ht, w_head, labels, weights, _ = make_inputs()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loss, metrics = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, compile=compiled, **kw)
+        loss, metrics = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=7, compile=compiled)
     assert not [w for w in caught if "could not be built" in str(w.message)]
     (grad,) = torch.autograd.grad(loss, hs)
-    ref_loss, ref_metrics = reference_draft_loss(hs, ht, w_head, labels, weights, **kw)
+    ref_loss, ref_metrics = reference_draft_loss(hs, ht, w_head, labels, weights, terms)
     (ref_grad,) = torch.autograd.grad(ref_loss, hs)
     assert loss.dtype == F64
     assert abs(loss.item() - ref_loss.item()) < 1e-10
@@ -80,10 +83,10 @@ def test_matches_reference_float64(name, compiled):
 @pytest.mark.parametrize("chunk", [1, 7, None])
 def test_chunk_invariance(chunk):
     hs, ht, w_head, labels, weights, _ = make_inputs(n=29)
-    kw = TERMS["combined_T"]
-    base, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=29, **kw)
+    terms = TERMS["combined_T"]
+    base, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=29)
     (base_grad,) = torch.autograd.grad(base, hs)
-    loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, **kw)
+    loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk)
     (grad,) = torch.autograd.grad(loss, hs)
     assert abs(loss.item() - base.item()) < 1e-12
     assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
@@ -94,16 +97,16 @@ def test_chunk_invariance(chunk):
 def test_compiled_matches_eager_across_chunkings(chunk, kernel):
     """One kernel serves every chunk length (the last chunk, compacted rows, a chunk of one row)."""
     hs, ht, w_head, labels, weights, slots = make_inputs(n=29)
-    kw = dict(TERMS["combined_T"], slot_ids=slots, num_slots=5)
-    base, base_m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=29, compile=False, **kw)
+    terms, kw = TERMS["combined_T"], dict(slot_ids=slots, num_slots=5)
+    base, base_m = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=29, compile=False, **kw)
     (base_grad,) = torch.autograd.grad(base, hs)
-    loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=kernel, **kw)
+    loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk, compile=kernel, **kw)
     (grad,) = torch.autograd.grad(loss, hs)
     assert abs(loss.item() - base.item()) < 1e-12
     assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
     assert torch.allclose(m["per_slot"]["ce"], base_m["per_slot"]["ce"], rtol=0, atol=1e-12)
     with torch.no_grad():  # inference: the kernel without its gradient pass
-        loss_ng, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=chunk, compile=kernel, **kw)
+        loss_ng, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk, compile=kernel, **kw)
     assert abs(loss_ng.item() - base.item()) < 1e-12
 
 
@@ -148,11 +151,11 @@ def test_a_kernel_that_cannot_be_built_falls_back(monkeypatch, tmp_path):
     native.reset()
     try:
         hs, ht, w_head, labels, weights, _ = make_inputs()
-        kw = TERMS["combined_T"]
-        ref, _ = reference_draft_loss(hs, ht, w_head, labels, weights, **kw)
+        terms = TERMS["combined_T"]
+        ref, _ = reference_draft_loss(hs, ht, w_head, labels, weights, terms)
         with pytest.warns(UserWarning, match="CPU kernel could not be built.*nonexistent") as caught:
             for _ in range(2):
-                loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=7, **kw)
+                loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=7)
         assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
         assert fused.epilogue_kind("auto", torch.device("cpu"), F64) == "eager"
         assert abs(loss.item() - ref.item()) < 1e-10
@@ -212,7 +215,8 @@ def test_native_kernel_rows_do_not_depend_on_threads(build):
             torch.set_num_threads(n_threads)
             for softcap in (None, 4.0):
                 grad = torch.empty_like(zs)
-                rows = native.chunk_epilogue(zs, zt, labels, coef, grad, 0.3, 1.7, 0.8, 0.9, softcap)
+                terms = LossTerms(kl_weight=0.3, temperature=1.7, cap_temperature=0.8, logit_scale=0.9, softcap=softcap)
+                rows = native.chunk_epilogue(zs, zt, labels, coef, grad, terms)
                 results.append([*rows, grad])
     finally:
         torch.set_num_threads(threads)
@@ -232,7 +236,8 @@ def test_native_kernel_without_openmp_splits_rows_over_python_threads(monkeypatc
 
     def rows():
         grad = torch.empty_like(zs)
-        return [*native.chunk_epilogue(zs, zt, labels, coef, grad, 0.3, 1.7, 0.8, 0.9, None), grad]
+        terms = LossTerms(kl_weight=0.3, temperature=1.7, cap_temperature=0.8, logit_scale=0.9)
+        return [*native.chunk_epilogue(zs, zt, labels, coef, grad, terms), grad]
 
     try:
         torch.set_num_threads(3)
@@ -259,13 +264,13 @@ def test_non_finite_logits_give_a_non_finite_loss(compiled):
     hs, ht, w_head, labels, weights, _ = make_inputs()
     bad = hs.detach().clone()
     bad[3, 0] = float("nan")
-    loss, _ = fused_draft_loss(bad, ht, w_head, labels, weights, compile=compiled, **TERMS["combined_T"])
+    loss, _ = fused_draft_loss(bad, ht, w_head, labels, weights, TERMS["combined_T"], compile=compiled)
     assert not math.isfinite(loss.item())
 
 
 def test_grad_output_scaling_and_retain_graph():
     hs, ht, w_head, labels, weights, _ = make_inputs()
-    loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, **TERMS["combined_T"])
+    loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, TERMS["combined_T"])
     (g1,) = torch.autograd.grad(loss, hs, retain_graph=True)
     (3 * loss).backward(retain_graph=True)
     assert torch.allclose(hs.grad, 3 * g1, rtol=1e-13, atol=0)
@@ -278,16 +283,16 @@ def test_upstream_graph_receives_gradient():
     hs, ht, w_head, labels, weights, _ = make_inputs()
     layer = torch.nn.Linear(16, 16, dtype=F64)
     x = hs.detach()
-    fused, _ = fused_draft_loss(layer(x), ht, w_head, labels, weights, **TERMS["combined_T1"])
+    fused, _ = fused_draft_loss(layer(x), ht, w_head, labels, weights, TERMS["combined_T1"])
     gf = torch.autograd.grad(fused, layer.weight)[0]
-    ref, _ = reference_draft_loss(layer(x), ht, w_head, labels, weights, **TERMS["combined_T1"])
+    ref, _ = reference_draft_loss(layer(x), ht, w_head, labels, weights, TERMS["combined_T1"])
     gr = torch.autograd.grad(ref, layer.weight)[0]
     assert (gf - gr).abs().max().item() < 1e-10
 
 
 def test_per_slot_metrics_sum_to_totals():
     hs, ht, w_head, labels, weights, slots = make_inputs()
-    _, m = fused_draft_loss(hs, ht, w_head, labels, weights, slot_ids=slots, num_slots=5, kl_weight=0.2)
+    _, m = fused_draft_loss(hs, ht, w_head, labels, weights, LossTerms(kl_weight=0.2), slot_ids=slots, num_slots=5)
     per = m["per_slot"]
     assert per["rows"].sum().item() == m["rows"].item() == int((weights > 0).sum())
     assert abs((per["ce"] * per["rows"]).sum().item() / m["rows"].item() - m["ce"].item()) < 1e-12
@@ -296,9 +301,9 @@ def test_per_slot_metrics_sum_to_totals():
 
 def test_no_grad_does_no_gradient_work():
     hs, ht, w_head, labels, weights, _ = make_inputs()
-    with_grad, _ = fused_draft_loss(hs, ht, w_head, labels, weights, **TERMS["combined_T1"])
+    with_grad, _ = fused_draft_loss(hs, ht, w_head, labels, weights, TERMS["combined_T1"])
     with torch.no_grad(), OpRecorder() as rec:
-        loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, chunk_size=100, **TERMS["combined_T1"])
+        loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, TERMS["combined_T1"], chunk_size=100)
     assert abs(loss.item() - with_grad.item()) < 1e-12
     assert rec.count("mm") == 2  # student and teacher logits; no G @ W
     with torch.no_grad(), OpRecorder() as rec:
@@ -306,10 +311,11 @@ def test_no_grad_does_no_gradient_work():
     assert rec.count("mm") == 1  # CE with data labels: the teacher GEMM is skipped
 
 
-def assert_within_derived_bounds(loss, grad, ref, ref_grad, hs64, ht64, w64, labels, weights, dtype, kw, what=""):
-    """The fast loss and gradient (inputs rounded to ``dtype``) within ``tolerances.fused_loss_error``
-    of the float64 reference: elementwise for the gradient, plus the gradient's own rounding to ``dtype``."""
-    loss_error, grad_error, _ = tolerances.fused_loss_error(hs64, ht64, w64, labels, weights, dtype, **kw)
+def assert_within_derived_bounds(loss, grad, ref, ref_grad, hs64, ht64, w64, labels, weights, dtype, terms, what=""):
+    """The fast loss and gradient (inputs rounded to ``dtype``, loss ``terms``) within
+    ``tolerances.fused_loss_error`` of the float64 reference: elementwise for the gradient, plus the
+    gradient's own rounding to ``dtype``."""
+    loss_error, grad_error, _ = tolerances.fused_loss_error(hs64, ht64, w64, labels, weights, dtype, terms)
     assert abs(loss.item() - ref.item()) <= loss_error, (what, abs(loss.item() - ref.item()), loss_error)
     grad_error = grad_error + tolerances.unit_roundoff(dtype) * ref_grad.abs() * (dtype != torch.float32)
     err = (grad.double() - ref_grad).abs()
@@ -320,33 +326,33 @@ def assert_within_derived_bounds(loss, grad, ref, ref_grad, hs64, ht64, w64, lab
 def test_bf16_deviation_is_bounded(compiled):
     """bf16 inputs and head with fp32 logits against the float64 reference, within the derived bounds."""
     hs64, ht64, w64, labels, weights, _ = make_inputs(n=64, h=32, v=200)
-    kw = TERMS["combined_T"]
-    ref, _ = reference_draft_loss(hs64, ht64, w64, labels, weights, **kw)
+    terms = TERMS["combined_T"]
+    ref, _ = reference_draft_loss(hs64, ht64, w64, labels, weights, terms)
     (ref_grad,) = torch.autograd.grad(ref, hs64)
     hs = hs64.detach().bfloat16().requires_grad_()
     loss, _ = fused_draft_loss(
-        hs, ht64.bfloat16(), w64.bfloat16(), labels, weights.bfloat16(), compile=compiled, chunk_size=24, **kw
+        hs, ht64.bfloat16(), w64.bfloat16(), labels, weights.bfloat16(), terms, compile=compiled, chunk_size=24
     )
     loss.backward()
     assert loss.dtype == torch.float32 and hs.grad.dtype == torch.bfloat16
-    assert_within_derived_bounds(loss, hs.grad, ref, ref_grad, hs64, ht64, w64, labels, weights, torch.bfloat16, kw)
+    assert_within_derived_bounds(loss, hs.grad, ref, ref_grad, hs64, ht64, w64, labels, weights, torch.bfloat16, terms)
 
 
 @NATIVE_BUILDS
 def test_native_float32_matches_the_float64_reference(build):
     """The float path (fast exp, block sums) against float64, every term, within the derived fp32 bounds."""
     for name in ("combined_T", "softcap_scale", "cap_tempered"):
-        kw = TERMS[name]
+        terms = TERMS[name]
         hs64, ht64, w64, labels, weights, _ = make_inputs(n=64, h=32, v=3000)
-        ref, ref_m = reference_draft_loss(hs64, ht64, w64, labels, weights, **kw)
+        ref, ref_m = reference_draft_loss(hs64, ht64, w64, labels, weights, terms)
         (ref_grad,) = torch.autograd.grad(ref, hs64)
         hs = hs64.detach().float().requires_grad_()
-        loss, m = fused_draft_loss(hs, ht64.float(), w64.float(), labels, weights.float(), compile="native", **kw)
+        loss, m = fused_draft_loss(hs, ht64.float(), w64.float(), labels, weights.float(), terms, compile="native")
         loss.backward()
         assert_within_derived_bounds(
-            loss, hs.grad, ref, ref_grad, hs64, ht64, w64, labels, weights, torch.float32, kw, name
+            loss, hs.grad, ref, ref_grad, hs64, ht64, w64, labels, weights, torch.float32, terms, name
         )
-        *_, term_error = tolerances.fused_loss_error(hs64, ht64, w64, labels, weights, torch.float32, **kw)
+        *_, term_error = tolerances.fused_loss_error(hs64, ht64, w64, labels, weights, torch.float32, terms)
         for key in ("ce", "kl", "cap"):
             assert abs(m[key].item() - ref_m[key].item()) <= term_error, (name, key)
 
@@ -379,17 +385,64 @@ def test_chunk_size_from_memory_budget():
         (lambda a: a.update(labels=a["labels"] + 1000), r"labels must be token ids in \[0, 60\)"),
         (lambda a: a.update(weights=-a["weights"]), "weights must be finite and >= 0"),
         (lambda a: a.update(weights=a["weights"][:5]), r"weights must be a floating \[41\] tensor"),
-        (lambda a: a.update(teacher_hidden=None, kl_weight=0.1), "teacher_hidden must be given when kl_weight > 0"),
-        (lambda a: a.update(kl_weight=1.5), r"kl_weight must be in \[0, 1\]"),
+        (
+            lambda a: a.update(teacher_hidden=None, terms=LossTerms(kl_weight=0.1)),
+            "fused_draft_loss: teacher_hidden must be given for KL, teacher labels or pair terms",
+        ),
+        (lambda a: a.update(terms=LossTerms(kl_weight=1.5)), r"LossTerms: kl_weight must be in \[0, 1\]"),
     ],
 )
 def test_bad_input_names_the_argument(change, message):
     hs, ht, w_head, labels, weights, _ = make_inputs()
-    args = {"teacher_hidden": ht, "lm_head_weight": w_head, "labels": labels, "weights": weights}
-    change(args)
-    extra = {k: args.pop(k) for k in list(args) if k not in ("teacher_hidden", "lm_head_weight", "labels", "weights")}
-    with pytest.raises(ValueError, match=message):
-        fused_draft_loss(hs, args["teacher_hidden"], args["lm_head_weight"], args["labels"], args["weights"], **extra)
+    args = {"teacher_hidden": ht, "lm_head_weight": w_head, "labels": labels, "weights": weights, "terms": None}
+    with pytest.raises(ValueError, match=message):  # the terms refuse a bad value when they are built
+        change(args)
+        fused_draft_loss(
+            hs, args["teacher_hidden"], args["lm_head_weight"], args["labels"], args["weights"], args["terms"]
+        )
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: LossTerms(kl_weight=-0.1), r"kl_weight must be in \[0, 1\]"),
+        (lambda: LossTerms(temperature=0.0), "temperature must be > 0"),
+        (lambda: LossTerms(cap_temperature=-1.0), "cap_temperature must be > 0"),
+        (lambda: LossTerms(cap_weight=-0.1), "cap_weight must be >= 0"),
+        (lambda: LossTerms(label_source="model"), "label_source must be 'data' or 'teacher'"),
+        (lambda: LossTerms(logit_scale=0.0), "logit_scale must be a nonzero number"),
+        (lambda: LossTerms(softcap=0.0), "softcap must be None or > 0"),
+        (lambda: LossTerms(temperature=float("nan")), "temperature must be > 0"),
+        (
+            lambda: LossTerms(pair_terms=(PairTerm("a", "overlap"), PairTerm("a", "renyi_half"))),
+            "pair term names must be distinct",
+        ),
+        (lambda: LossTerms(pair_terms=({"name": "tv"},)), "pair_terms must be PairTerm objects"),
+        (lambda: PairTerm("tv", "total_variation"), "pair term tv's statistic must be one of"),
+        (lambda: PairTerm("tv", "overlap", weight=-1.0), "pair term tv's weight must be a number >= 0"),
+        (lambda: PairTerm("tv", "overlap", scale=float("inf")), "pair term tv's scale must be finite"),
+        (lambda: PairTerm("not a name", "overlap"), "a pair term's name must be an identifier"),
+        (lambda: BlockCredit("overlap", 0.0), r"credit.alpha must be in \(0, 1\]"),
+        (lambda: BlockCredit("entropy"), "credit.confidence must be one of"),
+    ],
+)
+def test_loss_terms_refuse_bad_values(build, message):
+    """The terms are checked once, when they are built, and the error names the field."""
+    with pytest.raises(ValueError, match=f"LossTerms: {message}"):
+        build()
+
+
+def test_loss_terms_cross_the_op_as_json():
+    terms = LossTerms(
+        kl_weight=0.3,
+        softcap=2.5,
+        pair_terms=[PairTerm("tv", "overlap", weight=0.5, scale=-1.0, offset=1.0)],
+        credit=BlockCredit("label_prob", 0.4),
+        top_k=3,
+    )
+    assert isinstance(terms.pair_terms, tuple)  # a list given is kept as a tuple
+    assert LossTerms.from_json(terms.to_json()) == terms
+    assert not terms.kernel_ready and terms.needs_teacher  # a weighted overlap term: the eager passes
 
 
 class OpRecorder(TorchDispatchMode):
@@ -432,9 +485,7 @@ def test_never_allocates_positions_by_vocab(compiled):
             w_head,
             labels,
             weights,
-            kl_weight=0.15,
-            temperature=2.0,
-            cap_weight=0.1,
+            LossTerms(kl_weight=0.15, temperature=2.0, cap_weight=0.1),
             chunk_size=256,
             compile=compiled,
         )

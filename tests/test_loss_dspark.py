@@ -2,13 +2,23 @@
 into the chunked head GEMM (gradients of the features and of W2), acceptance, Renyi-1/2, D-PARD; and the
 terms every variant may use beside them: D-PACE's block credit and total variation (TV)."""
 
+from typing import NamedTuple
+
 import pytest
 import tolerances
 import torch
 from kernel_builds import COMPILED, NATIVE_BUILDS
 
-from dflash_trainer.loss import fused, fused_draft_loss, native, reference_draft_loss
-from dflash_trainer.loss.fused import _chunk_bounds
+from dflash_trainer.loss import (
+    BlockCredit,
+    LossTerms,
+    PairTerm,
+    fused,
+    fused_draft_loss,
+    native,
+    reference_draft_loss,
+)
+from dflash_trainer.loss.chunks import chunk_bounds
 from dflash_trainer.loss.logits import transform_logits
 
 F64 = torch.float64
@@ -32,39 +42,76 @@ def make_inputs(n=40, h=16, v=60, r=6, block=5, seed=0):
     return hs, ht, w_head, labels, weights, e, w2, slots, blocks
 
 
+def pairs(renyi=0.0, tv=0.0):
+    """The pair terms of the per-row statistics: DSpark's acceptance (a metric) and Renyi-1/2 (weight
+    ``renyi``), both reported whenever a per-row term is on, then TV ``1 - a`` (weight ``tv``) if asked."""
+    out = (PairTerm("accept", "overlap"), PairTerm("renyi", "renyi_half", weight=renyi))
+    return out + ((PairTerm("tv", "overlap", weight=tv, scale=-1.0, offset=1.0),) if tv else ())
+
+
+def dpard(alpha=0.5):
+    return BlockCredit("overlap", alpha)
+
+
+def dpace(alpha=0.5):
+    return BlockCredit("label_prob", alpha)
+
+
+class Case(NamedTuple):
+    """A loss call's terms, and whether it adds the Markov bias (the rows' features and W2)."""
+
+    terms: LossTerms
+    bias: bool = False
+
+
 CASES = {
-    "bias_ce": dict(bias=True),
-    "bias_kl_cap": dict(bias=True, kl_weight=0.3, temperature=1.7, cap_weight=0.2),
-    "bias_softcap": dict(bias=True, kl_weight=0.2, cap_weight=0.3, softcap=2.5, logit_scale=0.8),
-    "acceptance": dict(acceptance=True, kl_weight=0.5),
-    "renyi": dict(renyi_weight=0.7),
-    "renyi_bias_cap": dict(bias=True, renyi_weight=0.4, kl_weight=0.2, cap_weight=0.1),
-    "dpard": dict(dpard=True, dpard_alpha=0.5, kl_weight=1.0),
-    "dspark_all": dict(bias=True, renyi_weight=0.5, dpard=True, dpard_alpha=0.3, kl_weight=0.4, cap_weight=0.1),
-    "teacher_labels": dict(bias=True, renyi_weight=0.3, label_source="teacher", acceptance=True),
+    "bias_ce": Case(LossTerms(), bias=True),
+    "bias_kl_cap": Case(LossTerms(kl_weight=0.3, temperature=1.7, cap_weight=0.2), bias=True),
+    "bias_softcap": Case(LossTerms(kl_weight=0.2, cap_weight=0.3, softcap=2.5, logit_scale=0.8), bias=True),
+    "acceptance": Case(LossTerms(kl_weight=0.5, pair_terms=pairs())),
+    "renyi": Case(LossTerms(pair_terms=pairs(renyi=0.7))),
+    "renyi_bias_cap": Case(LossTerms(kl_weight=0.2, cap_weight=0.1, pair_terms=pairs(renyi=0.4)), bias=True),
+    "dpard": Case(LossTerms(kl_weight=1.0, pair_terms=pairs(), credit=dpard(0.5))),
+    "dspark_all": Case(
+        LossTerms(kl_weight=0.4, cap_weight=0.1, pair_terms=pairs(renyi=0.5), credit=dpard(0.3)), bias=True
+    ),
+    "teacher_labels": Case(LossTerms(label_source="teacher", pair_terms=pairs(renyi=0.3)), bias=True),
     # KL at T != 1 (the kernel keeps the teacher at T = 1 apart), Tc != 1, a softcap, D-PARD with the bias
-    "renyi_tempered_softcap": {
-        **dict(bias=True, renyi_weight=0.6, kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8),
-        **dict(softcap=2.5, logit_scale=0.8, dpard=True),
-    },
+    "renyi_tempered_softcap": Case(
+        LossTerms(
+            kl_weight=0.3,
+            temperature=1.7,
+            cap_weight=0.2,
+            cap_temperature=0.8,
+            softcap=2.5,
+            logit_scale=0.8,
+            pair_terms=pairs(renyi=0.6),
+            credit=dpard(),
+        ),
+        bias=True,
+    ),
     # D-PACE (no teacher needed) and TV, alone and with the other terms
-    "dpace": dict(dpace=True, dpace_alpha=0.5),
-    "dpace_kl_cap_softcap": dict(dpace=True, dpace_alpha=0.3, kl_weight=0.4, cap_weight=0.2, softcap=2.5),
-    "dpace_teacher_labels": dict(dpace=True, label_source="teacher", acceptance=True),
-    "tv": dict(tv_weight=0.8),
-    "tv_kl_tempered_cap": dict(tv_weight=0.5, kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8),
-    "tv_renyi_bias_dpard": dict(bias=True, tv_weight=0.6, renyi_weight=0.4, dpard=True, kl_weight=0.2),
-    "dpace_tv_bias": dict(bias=True, dpace=True, tv_weight=0.7, softcap=2.5, logit_scale=0.8),
+    "dpace": Case(LossTerms(credit=dpace(0.5))),
+    "dpace_kl_cap_softcap": Case(LossTerms(kl_weight=0.4, cap_weight=0.2, softcap=2.5, credit=dpace(0.3))),
+    "dpace_teacher_labels": Case(LossTerms(label_source="teacher", pair_terms=pairs(), credit=dpace())),
+    "tv": Case(LossTerms(pair_terms=pairs(tv=0.8))),
+    "tv_kl_tempered_cap": Case(
+        LossTerms(kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8, pair_terms=pairs(tv=0.5))
+    ),
+    "tv_renyi_bias_dpard": Case(
+        LossTerms(kl_weight=0.2, pair_terms=pairs(renyi=0.4, tv=0.6), credit=dpard()), bias=True
+    ),
+    "dpace_tv_bias": Case(LossTerms(softcap=2.5, logit_scale=0.8, pair_terms=pairs(tv=0.7), credit=dpace()), bias=True),
 }
 
 
 def _call(fn, case, hs, ht, w_head, labels, weights, e, w2, slots, blocks, **extra):
-    kw = {k: v for k, v in case.items() if k != "bias"}
-    if case.get("bias"):
+    kw = {}
+    if case.bias:
         kw.update(bias_rows=e, bias_weight=w2)
-    if case.get("dpard") or case.get("dpace"):
+    if case.terms.credit is not None:
         kw.update(block_ids=blocks)
-    return fn(hs, ht, w_head, labels, weights, **kw, **extra)
+    return fn(hs, ht, w_head, labels, weights, case.terms, **kw, **extra)
 
 
 @COMPILED
@@ -77,7 +124,7 @@ def test_dspark_terms_match_reference_float64(name, compiled):
         fused_draft_loss, case, *inputs, chunk_size=12, compile=compiled, slot_ids=inputs[7], num_slots=5
     )
     ref_loss, ref_metrics = _call(reference_draft_loss, case, *inputs)
-    wrt = [hs] + ([e, w2] if case.get("bias") else [])
+    wrt = [hs] + ([e, w2] if case.bias else [])
     grads = torch.autograd.grad(loss, wrt)
     ref_grads = torch.autograd.grad(ref_loss, wrt)
     assert abs(loss.item() - ref_loss.item()) < 1e-10
@@ -87,7 +134,7 @@ def test_dspark_terms_match_reference_float64(name, compiled):
     for key in ("ce", "kl", "cap", "accuracy"):
         assert abs(metrics[key].item() - ref_metrics[key].item()) < 1e-10, key
     if "accept" in ref_metrics:
-        assert (metrics["accept_rows"] - ref_metrics["accept_rows"]).abs().max().item() < 1e-12
+        assert (metrics["overlap_rows"] - ref_metrics["overlap_rows"]).abs().max().item() < 1e-12
         assert abs(metrics["renyi"].item() - ref_metrics["renyi"].item()) < 1e-10
         assert metrics["per_slot"]["accept"].shape == (5,)
         assert 0.0 < metrics["accept"].item() < 1.0
@@ -116,17 +163,17 @@ def test_dpard_does_not_depend_on_chunking(chunk):
 
 def test_chunk_bounds_keep_blocks_whole():
     ids = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3, 4])
-    bounds = _chunk_bounds(13, 4, ids)
+    bounds = chunk_bounds(13, 4, ids)
     assert [(b.start, b.stop) for b in bounds] == [(0, 3), (3, 6), (6, 12), (12, 13)]
-    assert _chunk_bounds(5, 2, None) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert chunk_bounds(5, 2, None) == [slice(0, 2), slice(2, 4), slice(4, 5)]
 
 
 def test_bad_dspark_arguments():
     hs, ht, w_head, labels, weights, e, w2, _, blocks = make_inputs()
     with pytest.raises(ValueError, match="teacher_hidden"):
-        fused_draft_loss(hs, None, w_head, labels, weights, renyi_weight=1.0)
+        fused_draft_loss(hs, None, w_head, labels, weights, LossTerms(pair_terms=pairs(renyi=1.0)))
     with pytest.raises(ValueError, match="block_ids"):
-        fused_draft_loss(hs, ht, w_head, labels, weights, dpard=True)
+        fused_draft_loss(hs, ht, w_head, labels, weights, LossTerms(credit=dpard()))
     with pytest.raises(ValueError, match="bias_weight"):
         fused_draft_loss(hs, ht, w_head, labels, weights, bias_rows=e, bias_weight=w2[:5])
 
@@ -144,7 +191,7 @@ def test_markov_bias_never_allocates_positions_by_vocab(compiled):
     w2 = (torch.randn(v, r, generator=g) * 0.1).requires_grad_()
     labels = torch.randint(0, v, (n,), generator=g)
     weights = torch.ones(n)
-    per_row = dict(renyi_weight=0.5, dpard=True, block_ids=torch.arange(n) // 16)
+    terms = LossTerms(kl_weight=0.5, cap_weight=0.1, pair_terms=pairs(renyi=0.5), credit=dpard())
     with OpRecorder() as rec:
         loss, _ = fused_draft_loss(
             hs,
@@ -152,13 +199,12 @@ def test_markov_bias_never_allocates_positions_by_vocab(compiled):
             w_head,
             labels,
             weights,
-            kl_weight=0.5,
-            cap_weight=0.1,
+            terms,
             chunk_size=256,
             compile=compiled,
             bias_rows=e,
             bias_weight=w2,
-            **per_row,
+            block_ids=torch.arange(n) // 16,
         )
         loss.backward()
     assert rec.count("addmm") + rec.count("addmm_") >= n // 256  # the bias GEMM ran chunk by chunk
@@ -190,6 +236,20 @@ def raw_rows(rows=9, v=3000, seed=0, dtype=F64):
     return zs.to(dtype), zt.to(dtype), labels, coef
 
 
+def kernel_terms(a, temp, tc, scale, cap, beta=None, teacher_labels=False):
+    """The terms of a kernel call: KL weight, T, Tc, logit scale, softcap; with ``beta`` (the Renyi
+    weight) the pair statistics on (``pairs``)."""
+    return LossTerms(
+        kl_weight=a,
+        temperature=temp,
+        cap_temperature=tc,
+        logit_scale=scale,
+        softcap=cap,
+        label_source="teacher" if teacher_labels else "data",
+        pair_terms=pairs(renyi=beta) if beta is not None else (),
+    )
+
+
 KERNEL_CASES = {  # (kl_weight, T, Tc, scale, softcap, renyi_weight, teacher labels)
     "no_kl": (0.0, 1.0, 1.0, 1.0, None, 0.7, False),
     "kl_T1": (0.4, 1.0, 1.0, 1.0, None, 0.5, False),  # the teacher's e^u serves both KL and the per-row terms
@@ -208,7 +268,8 @@ def test_native_kernel_per_row_terms_float64(name, build):
     zs, zt, labels, coef = raw_rows()
     y = None if teacher_labels else labels
     g = torch.empty_like(zs)
-    out = native.chunk_epilogue(zs, zt, y, coef, g, a, temp, tc, scale, cap, beta, True)
+    terms = kernel_terms(a, temp, tc, scale, cap, beta, teacher_labels)
+    out = native.chunk_epilogue(zs, zt, y, coef, g, terms)
     lse, z_y, s_arg, t_arg, entropy, kl, accept, renyi = out
 
     raw = zs.clone().requires_grad_()
@@ -228,12 +289,13 @@ def test_native_kernel_per_row_terms_float64(name, build):
     assert torch.equal(t_arg, w.argmax(-1)) and torch.equal(s_arg, z.argmax(-1))
     assert (g - grad).abs().max().item() < 1e-15, (g - grad).abs().max().item()
     assert 0.05 < accept.min().item() and accept.max().item() < 1.0  # the test data is informative
-    without = native.chunk_epilogue(zs, zt, y, coef, g_plain := torch.empty_like(zs), a, temp, tc, scale, cap)
+    plain_terms = kernel_terms(a, temp, tc, scale, cap, teacher_labels=teacher_labels)
+    without = native.chunk_epilogue(zs, zt, y, coef, g_plain := torch.empty_like(zs), plain_terms)
     for x, x0 in zip(out[:6], without):
         assert torch.equal(x, x0)
     if beta == 0:
         assert torch.equal(g, g_plain)
-    rows_only = native.chunk_epilogue(zs, zt, y, coef, None, a, temp, tc, scale, cap, beta, True)
+    rows_only = native.chunk_epilogue(zs, zt, y, coef, None, terms)
     for x, x0 in zip(rows_only, out):  # no gradient: the same row terms
         assert x0 is None if x is None else torch.equal(x, x0)
 
@@ -249,7 +311,7 @@ def test_native_kernel_per_row_rows_do_not_depend_on_threads(dtype, build):
             torch.set_num_threads(n_threads)
             for cap in (None, 4.0):
                 g = torch.empty_like(zs)
-                out = native.chunk_epilogue(zs, zt, labels, coef, g, 0.3, 1.7, 0.8, 0.9, cap, 0.5, True)
+                out = native.chunk_epilogue(zs, zt, labels, coef, g, kernel_terms(0.3, 1.7, 0.8, 0.9, cap, 0.5))
                 results.append([*out, g])
     finally:
         torch.set_num_threads(threads)
@@ -279,15 +341,13 @@ def assert_within_dspark_bounds(case, inputs, dtype, loss, m, grads, ref_loss, r
     """Loss, acceptance per row and the gradients of h, the bias rows and W2 within
     ``tolerances.fused_loss_error`` (bias and D-PARD included) of the float64 reference."""
     hs64, ht64, w64, labels, weights, e64, w2_64, _, blocks = inputs
-    kw = {k: v for k, v in case.items() if k != "bias"}
-    if case.get("bias"):
-        kw.update(bias_rows=e64, bias_weight=w2_64)
+    kw = dict(bias_rows=e64, bias_weight=w2_64) if case.bias else {}
     loss_error, grad_errors, term_error = tolerances.fused_loss_error(
-        hs64, ht64, w64, labels, weights, dtype, block_ids=blocks, **kw
+        hs64, ht64, w64, labels, weights, dtype, case.terms, block_ids=blocks, **kw
     )
     assert abs(loss.item() - ref_loss.item()) <= loss_error, (dtype, abs(loss.item() - ref_loss.item()), loss_error)
     live = weights > 0
-    accept_err = (m["accept_rows"].double() - ref_m["accept_rows"]).abs()[live]
+    accept_err = (m["overlap_rows"].double() - ref_m["overlap_rows"]).abs()[live]
     assert (accept_err <= term_error).all(), dtype
     grad_errors = grad_errors if isinstance(grad_errors, tuple) else (grad_errors,)
     for got, want, bound in zip(grads, ref_grads, grad_errors):
@@ -328,7 +388,7 @@ def test_dpace_credit_moves_weight_to_the_slots_that_gate_acceptance():
     hs.requires_grad_()
     weights = torch.tensor([0.0, 1, 1, 1] * 2, dtype=F64)
     blocks = torch.arange(8) // b
-    loss, _ = fused_draft_loss(hs, None, w_head, labels, weights, dpace=True, dpace_alpha=alpha, block_ids=blocks)
+    loss, _ = fused_draft_loss(hs, None, w_head, labels, weights, LossTerms(credit=dpace(alpha)), block_ids=blocks)
     (g,) = torch.autograd.grad(loss, [hs])
     p_y = torch.softmax(hs.detach() @ w_head.T, -1).gather(1, labels[:, None]).squeeze(1)
     coef = g.gather(1, labels[:, None]).squeeze(1) / (scale * (p_y - 1))

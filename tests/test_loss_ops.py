@@ -10,14 +10,18 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash_trainer.config import DrafterConfig
 from dflash_trainer.data.blocks import build_blocks
 from dflash_trainer.data.packing import doc_ids_from_positions
-from dflash_trainer.loss import fused, fused_draft_loss
+from dflash_trainer.loss import BlockCredit, LossTerms, PairTerm, fused, fused_draft_loss
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 
 F64 = torch.float64
-TERMS = {"kl_weight": 0.2, "temperature": 1.5, "cap_weight": 0.1}
+TERMS = LossTerms(kl_weight=0.2, temperature=1.5, cap_weight=0.1)
 
 
-def op_args(n=13, h=8, v=40, dtype=F64, want_grad=True, seed=0):
+def op_args(
+    n=13, h=8, v=40, dtype=F64, want_grad=True, seed=0, terms=TERMS, policy="auto", bias_rows=None, bias_weight=None,
+    block_ids=None,
+):  # fmt: skip
+    """The custom op's inputs: data of ``n`` rows in three slots, ``terms`` as their JSON, chunks of 5."""
     g = torch.Generator().manual_seed(seed)
     hs = torch.randn(n, h, generator=g, dtype=dtype).requires_grad_(want_grad)
     ht = torch.randn(n, h, generator=g, dtype=dtype)
@@ -26,8 +30,9 @@ def op_args(n=13, h=8, v=40, dtype=F64, want_grad=True, seed=0):
     weights = torch.rand(n, generator=g, dtype=dtype)
     weights[::4] = 0
     slots = torch.arange(n) % 3
-    # kl, T, cap, cap T, label source, scale, softcap, chunk, policy, want_grad
-    return (hs, ht, head, labels, weights, slots, 3, 0.2, 1.5, 0.1, 1.0, "data", 1.0, None, 5, "auto", want_grad)
+    # the low-rank bias, block ids, the terms as JSON, chunk, policy, want_grad (after slot ids and their count)
+    rest = (bias_rows, bias_weight, block_ids, terms.to_json(), 5, policy, want_grad)
+    return (hs, ht, head, labels, weights, slots, 3, *rest)
 
 
 @pytest.mark.parametrize("want_grad", [True, False])
@@ -43,13 +48,19 @@ def test_opcheck(want_grad):
 def test_opcheck_with_dspark_terms(want_grad, policy):
     """The same checks with every DSpark input on (Markov bias, Renyi, acceptance, D-PARD): the native
     kernel computes the per-row terms in its row pass, the eager passes in theirs."""
-    args = list(op_args(n=15, want_grad=want_grad))
-    args[15] = policy
     g = torch.Generator().manual_seed(2)
     rows = torch.randn(15, 3, generator=g, dtype=F64).requires_grad_(want_grad)
     bias_weight = torch.randn(40, 3, generator=g, dtype=F64).requires_grad_(want_grad)
     block_ids = torch.arange(15) // 5
-    torch.library.opcheck(fused.fused_draft_loss_op, (*args, rows, bias_weight, block_ids, 0.4, True, True, 0.5))
+    pairs = (PairTerm("accept", "overlap"), PairTerm("renyi", "renyi_half", weight=0.4))
+    terms = LossTerms(
+        kl_weight=0.2, temperature=1.5, cap_weight=0.1, pair_terms=pairs, credit=BlockCredit("overlap", 0.5)
+    )
+    args = op_args(
+        n=15, want_grad=want_grad, terms=terms, policy=policy, bias_rows=rows, bias_weight=bias_weight,
+        block_ids=block_ids,
+    )  # fmt: skip
+    torch.library.opcheck(fused.fused_draft_loss_op, args)
 
 
 def small_drafter():
@@ -101,10 +112,10 @@ def test_compiled_drafter_step_matches_eager():
             drafter.lm_head_weight.detach(),
             blocks.labels.reshape(-1),
             blocks.weights.reshape(-1),
+            TERMS,
             slot_ids=torch.arange(4).repeat(4),
             num_slots=4,
             chunk_size=5,
-            **TERMS,
         )
         return loss, metrics["ce"], metrics["per_slot"]["accuracy"]
 
@@ -134,7 +145,7 @@ def test_meta_and_fake_tensors_give_shapes_without_running_the_kernel(dtype):
             hs = torch.empty(n, h, dtype=dtype, requires_grad=True)
             args = (torch.empty(n, h, dtype=dtype), torch.empty(v, h, dtype=dtype), torch.zeros(n, dtype=torch.long))
             loss, metrics = fused_draft_loss(
-                hs, *args, torch.ones(n, dtype=dtype), slot_ids=torch.zeros(n, dtype=torch.long), num_slots=6, **TERMS
+                hs, *args, torch.ones(n, dtype=dtype), TERMS, slot_ids=torch.zeros(n, dtype=torch.long), num_slots=6
             )
             loss.backward()
         assert loss.shape == () and loss.dtype == f
@@ -153,7 +164,7 @@ def test_memory_tracker_follows_the_loss_on_meta_tensors():
     tracker = MemTracker()
     tracker.track_external(hs, head, teacher, labels, weights)
     with tracker:
-        loss, _ = fused_draft_loss(hs, teacher, head, labels, weights, **TERMS)
+        loss, _ = fused_draft_loss(hs, teacher, head, labels, weights, TERMS)
         after_forward = tracker.get_tracker_snapshot()[torch.device("meta")]["Total"]
         loss.backward()
     inputs = (2 * n * h + v * h + n) * 4 + n * 8  # hs, teacher, head, weights; int64 labels

@@ -10,7 +10,7 @@ from external_runner import run_script
 from external_venvs import speculators_python
 from safetensors.torch import load_file, save_file
 
-from dflash_trainer.loss import fused_draft_loss
+from dflash_trainer.loss import BlockCredit, LossTerms, PairTerm, fused_draft_loss
 
 F64 = torch.float64
 EPS = 1e-5  # speculators' loss_function divides by sum(loss_mask) + 1e-5 (_LOSS_REDUCTION_EPS)
@@ -35,10 +35,10 @@ def test_dpace_and_tv_match_speculators(tmp_path):
     # ours on the same logits: an identity head turns hidden states into logits exactly
     head = torch.eye(vocab, dtype=F64)
     blocks_ids = torch.arange(t) // block
-    loss, metrics = fused_draft_loss(
-        logits, targets, head, labels, mask, dpace=True, dpace_alpha=alpha, block_ids=blocks_ids, tv_weight=0.0
-    )
-    _, tv_metrics = fused_draft_loss(logits, targets, head, labels, mask, tv_weight=1.0)
+    dpace = LossTerms(credit=BlockCredit("label_prob", alpha))
+    loss, metrics = fused_draft_loss(logits, targets, head, labels, mask, dpace, block_ids=blocks_ids)
+    tv = LossTerms(pair_terms=(PairTerm("tv", "overlap", weight=1.0, scale=-1.0, offset=1.0),))
+    _, tv_metrics = fused_draft_loss(logits, targets, head, labels, mask, tv)
     n = int(mask.sum())
     ours_dpace = loss.item() * n / (n + EPS)
     ours_tv = tv_metrics["tv"].item() * n / (n + EPS)

@@ -5,6 +5,7 @@ plain gather-and-contract reference."""
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,30 +15,30 @@ if not torch.cuda.is_available():  # must precede the Triton kernel module's imp
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from test_loss import OpRecorder  # noqa: E402
-from test_loss_dspark import make_inputs  # noqa: E402
+from test_loss_dspark import Case, make_inputs, pairs  # noqa: E402
 
-from dflash_trainer.loss import fused, fused_draft_loss, native, reference_draft_loss  # noqa: E402
+from dflash_trainer.loss import LossTerms, fused, fused_draft_loss, native, reference_draft_loss  # noqa: E402
 from dflash_trainer.loss.candidates import candidate_logits, reference_candidate_logits  # noqa: E402
 
 F64 = torch.float64
 K = 16
 
 CASES = {
-    "ce": {},
-    "kl_cap": dict(kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8),
-    "softcap_scale": dict(kl_weight=0.2, cap_weight=0.3, softcap=2.5, logit_scale=0.8),
-    "dspark_bias": dict(bias=True, renyi_weight=0.4, kl_weight=0.2, acceptance=True),
-    "teacher_labels": dict(label_source="teacher", kl_weight=0.5, cap_weight=0.1),
-    "negative_scale": dict(logit_scale=-0.7, kl_weight=0.2),  # a decreasing transform: the smallest raw logits
+    "ce": Case(LossTerms()),
+    "kl_cap": Case(LossTerms(kl_weight=0.3, temperature=1.7, cap_weight=0.2, cap_temperature=0.8)),
+    "softcap_scale": Case(LossTerms(kl_weight=0.2, cap_weight=0.3, softcap=2.5, logit_scale=0.8)),
+    "dspark_bias": Case(LossTerms(kl_weight=0.2, pair_terms=pairs(renyi=0.4)), bias=True),
+    "teacher_labels": Case(LossTerms(label_source="teacher", kl_weight=0.5, cap_weight=0.1)),
+    # a decreasing transform: the smallest raw logits
+    "negative_scale": Case(LossTerms(logit_scale=-0.7, kl_weight=0.2)),
 }
 
 
-def _call(fn, case, inputs, **extra):
+def _call(fn, case, inputs, top_k=0, **extra):
+    """``fn`` on ``inputs`` with the case's terms, their ``top_k`` set to ``top_k``."""
     hs, ht, w_head, labels, weights, e, w2, *_ = inputs
-    kw = {k: v for k, v in case.items() if k != "bias"}
-    if case.get("bias"):
-        kw.update(bias_rows=e, bias_weight=w2)
-    return fn(hs, ht, w_head, labels, weights, **kw, **extra)
+    kw = dict(bias_rows=e, bias_weight=w2) if case.bias else {}
+    return fn(hs, ht, w_head, labels, weights, replace(case.terms, top_k=top_k), **kw, **extra)
 
 
 def _assert_matches_reference(m, ref_m, weights, tol):
@@ -56,7 +57,7 @@ def test_topk_matches_reference_and_leaves_the_loss_alone(name, compiled):
     """ids exactly, logits within 1e-12; loss and gradients bit-identical to top_k=0."""
     case, inputs = CASES[name], make_inputs()
     hs, e, w2, weights = inputs[0], inputs[5], inputs[6], inputs[4]
-    wrt = [hs] + ([e, w2] if case.get("bias") else [])
+    wrt = [hs] + ([e, w2] if case.bias else [])
     loss, m = _call(fused_draft_loss, case, inputs, chunk_size=12, compile=compiled, top_k=K)
     grads = torch.autograd.grad(loss, wrt)
     loss0, m0 = _call(fused_draft_loss, case, inputs, chunk_size=12, compile=compiled)
@@ -84,26 +85,29 @@ def test_top_1_is_the_argmax_and_top_v_the_full_sort(compiled):
     hs, ht, w_head, labels, weights = inputs[:5]
     v, keep = w_head.shape[0], weights > 0
     z = (hs.detach() @ w_head.T)[keep]
-    _, m1 = fused_draft_loss(hs, ht, w_head, labels, weights, compile=compiled, chunk_size=9, top_k=1)
+    _, m1 = fused_draft_loss(hs, ht, w_head, labels, weights, LossTerms(top_k=1), compile=compiled, chunk_size=9)
     assert m1["topk_ids"].shape == (hs.shape[0], 1)
     assert torch.equal(m1["topk_ids"][keep, 0], z.argmax(-1))
-    _, mv = fused_draft_loss(hs, ht, w_head, labels, weights, compile=compiled, chunk_size=9, top_k=v)
+    _, mv = fused_draft_loss(hs, ht, w_head, labels, weights, LossTerms(top_k=v), compile=compiled, chunk_size=9)
     values, order = z.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(mv["topk_ids"][keep], order)
     assert (mv["topk_logits"][keep] - values).abs().max().item() < 1e-12
 
 
 def test_bad_top_k():
+    """A negative or non-int K is refused when the terms are built, one above the vocabulary by the call."""
     hs, ht, w_head, labels, weights = make_inputs()[:5]
     v = w_head.shape[0]
-    for bad in (-1, v + 1, 2.0, True):
-        with pytest.raises(ValueError, match=r"top_k must be an int in \[0, 60\]"):
-            fused_draft_loss(hs, ht, w_head, labels, weights, top_k=bad)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=r"LossTerms: top_k must be an int >= 0"):
+            LossTerms(top_k=bad)
+    with pytest.raises(ValueError, match=r"fused_draft_loss: terms.top_k must be <= 60"):
+        fused_draft_loss(hs, ht, w_head, labels, weights, LossTerms(top_k=v + 1))
 
 
 def test_no_rows_with_weight():
     hs, ht, w_head, labels, weights = make_inputs()[:5]
-    _, m = fused_draft_loss(hs, ht, w_head, labels, torch.zeros_like(weights), top_k=3)
+    _, m = fused_draft_loss(hs, ht, w_head, labels, torch.zeros_like(weights), LossTerms(top_k=3))
     assert m["topk_ids"].shape == (hs.shape[0], 3) and (m["topk_ids"] == -1).all()
     assert (m["topk_logits"] == -torch.inf).all()
 
@@ -136,13 +140,13 @@ def test_native_kernel_top_k_with_ties_float64(k, build):
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            out = native.chunk_epilogue(z, None, labels, coef, None, 0.0, 1.0, 1.0, 1.0, None, top_k=k)
+            out = native.chunk_epilogue(z, None, labels, coef, None, LossTerms(top_k=k))
             ids, logits = out[-2:]
             assert torch.equal(ids, order[:, :k]) and torch.equal(logits, values[:, :k])
     finally:
         torch.set_num_threads(threads)
     # with a softcap the selection reads the transformed row: the same order, the capped values
-    out = native.chunk_epilogue(z, None, labels, coef, None, 0.0, 1.0, 1.0, 0.5, 4.0, top_k=k)
+    out = native.chunk_epilogue(z, None, labels, coef, None, LossTerms(logit_scale=0.5, softcap=4.0, top_k=k))
     assert torch.equal(out[-2], order[:, :k])
     assert (out[-1] - 4.0 * torch.tanh(values[:, :k] * 0.5 / 4.0)).abs().max().item() < 1e-14
 
@@ -153,9 +157,9 @@ def test_native_top_k_in_float32_and_bf16_matches_eager(dtype, build):
     """Same transformed values as the eager passes (the same GEMM output); ids point at those values."""
     hs, ht, w_head, labels, weights = (x.to(dtype) if x.is_floating_point() else x for x in make_inputs(v=3000)[:5])
     hs = hs.detach()
-    kw = dict(kl_weight=0.2, logit_scale=0.8, chunk_size=16, top_k=K)
-    _, mn = fused_draft_loss(hs, ht, w_head, labels, weights, compile="native", **kw)
-    _, me = fused_draft_loss(hs, ht, w_head, labels, weights, compile=False, **kw)
+    terms = LossTerms(kl_weight=0.2, logit_scale=0.8, top_k=K)
+    _, mn = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=16, compile="native")
+    _, me = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=16, compile=False)
     keep = weights > 0
     assert mn["topk_logits"].dtype == torch.float32
     assert torch.equal(mn["topk_logits"], me["topk_logits"])
@@ -182,11 +186,9 @@ def test_topk_never_allocates_positions_by_vocab(compiled):
             w_head,
             labels,
             torch.ones(n),
-            kl_weight=0.15,
-            cap_weight=0.1,
+            LossTerms(kl_weight=0.15, cap_weight=0.1, top_k=K),
             chunk_size=c,
             compile=compiled,
-            top_k=K,
         )
         loss.backward()
     assert rec.count("mm") >= 3 * (n // c)
@@ -201,16 +203,16 @@ def test_op_fake_and_opcheck_with_top_k():
     with torch.device("meta"):
         hs = torch.empty(n, h, requires_grad=True)
         loss, m = fused_draft_loss(
-            hs, None, torch.empty(v, h), torch.zeros(n, dtype=torch.long), torch.ones(n), top_k=7
+            hs, None, torch.empty(v, h), torch.zeros(n, dtype=torch.long), torch.ones(n), LossTerms(top_k=7)
         )
     assert m["topk_ids"].shape == (n, 7) and m["topk_ids"].dtype == torch.int64
     assert m["topk_logits"].shape == (n, 7) and m["topk_logits"].dtype == torch.float32
+    from test_loss_ops import TERMS as OP_TERMS
     from test_loss_ops import op_args
 
     for policy in ("native", "false"):
-        args = list(op_args(n=n, v=v))
-        args[15] = policy
-        torch.library.opcheck(fused.fused_draft_loss_op, (*args, None, None, None, 0.0, False, False, 0.5, 5))
+        args = op_args(n=n, v=v, terms=replace(OP_TERMS, top_k=5), policy=policy)
+        torch.library.opcheck(fused.fused_draft_loss_op, args)
 
 
 def test_topk_under_the_triton_interpreter():
@@ -286,7 +288,8 @@ def test_candidate_logits_never_keep_the_gathered_rows():
 def test_candidate_logits_equal_the_fused_top_k():
     """candidate_logits at the fused loss's ids gives back its topk_logits (no Markov bias here)."""
     hs, ht, w_head, labels, weights = make_inputs()[:5]
-    _, m = fused_draft_loss(hs, ht, w_head, labels, weights, softcap=2.5, logit_scale=0.8, compile="native", top_k=K)
+    terms = LossTerms(softcap=2.5, logit_scale=0.8, top_k=K)
+    _, m = fused_draft_loss(hs, ht, w_head, labels, weights, terms, compile="native")
     z = candidate_logits(hs, w_head, m["topk_ids"], logit_scale=0.8, softcap=2.5)
     keep = weights > 0
     assert (z[keep] - m["topk_logits"][keep]).abs().max().item() < 1e-12

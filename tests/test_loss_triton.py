@@ -19,8 +19,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'trit
 import tolerances  # noqa: E402
 from kernel_builds import NATIVE_BUILDS  # noqa: E402
 from test_loss import TERMS, assert_within_derived_bounds, make_inputs  # noqa: E402
+from test_loss_dspark import Case, dpace, dpard, kernel_terms, pairs  # noqa: E402
 
-from dflash_trainer.loss import fused, fused_draft_loss, native, reference_draft_loss  # noqa: E402
+from dflash_trainer.loss import LossTerms, fused, fused_draft_loss, native, reference_draft_loss  # noqa: E402
 
 kernel = fused.triton_epilogue()
 if not fused.triton_runs_on(torch.device("cpu")):
@@ -35,27 +36,27 @@ V = 2500  # three kernel blocks of 1024 logits, the last ragged
 @pytest.mark.parametrize("name", list(TERMS))
 def test_triton_float32_matches_the_float64_reference(name):
     """41 rows in chunks of 7 (the last has 6), every sixth row weight 0: loss, gradient and metrics."""
-    kw = TERMS[name]
+    terms = TERMS[name]
     hs64, ht64, w64, labels, weights, _ = make_inputs(n=41, h=16, v=V)
-    ref, ref_m = reference_draft_loss(hs64, ht64, w64, labels, weights, **kw)
+    ref, ref_m = reference_draft_loss(hs64, ht64, w64, labels, weights, terms)
     (ref_grad,) = torch.autograd.grad(ref, hs64)
     hs = hs64.detach().float().requires_grad_()
     loss, m = fused_draft_loss(
-        hs, ht64.float(), w64.float(), labels, weights.float(), chunk_size=7, compile="triton", **kw
+        hs, ht64.float(), w64.float(), labels, weights.float(), terms, chunk_size=7, compile="triton"
     )
     loss.backward()
     assert_within_derived_bounds(
-        loss, hs.grad, ref, ref_grad, hs64, ht64, w64, labels, weights, torch.float32, kw, name
+        loss, hs.grad, ref, ref_grad, hs64, ht64, w64, labels, weights, torch.float32, terms, name
     )
     assert hs.grad[weights == 0].abs().max().item() == 0.0
-    *_, term_error = tolerances.fused_loss_error(hs64, ht64, w64, labels, weights, torch.float32, **kw)
+    *_, term_error = tolerances.fused_loss_error(hs64, ht64, w64, labels, weights, torch.float32, terms)
     for key in ("ce", "kl", "cap"):
         assert abs(m[key].item() - ref_m[key].item()) <= term_error, (name, key)
     for key in ("accuracy", "agreement"):  # counts of argmax matches: the same rows match (no near ties)
         assert m[key].item() == ref_m[key].item(), (name, key)
     with torch.no_grad():  # inference: the kernel without its gradient pass
         loss_ng, _ = fused_draft_loss(
-            hs, ht64.float(), w64.float(), labels, weights.float(), chunk_size=7, compile="triton", **kw
+            hs, ht64.float(), w64.float(), labels, weights.float(), terms, chunk_size=7, compile="triton"
         )
     assert loss_ng.item() == loss.item()
 
@@ -71,11 +72,11 @@ def raw_chunk(dtype, rows=9, seed=0):
     return zs.to(dtype), zt.to(dtype), labels, coef
 
 
-def epilogue_float64(zs, zt, y, coef, grad, *terms):
+def epilogue_float64(zs, zt, y, coef, grad, terms):
     """The float64 reference of a chunk epilogue: the native kernel's float64 entry point, which
     test_loss.py holds equal to the plain full-logits reference (``test_matches_reference_float64``)."""
     g = torch.empty(zs.shape, dtype=torch.float64) if grad else None
-    out = native.chunk_epilogue(zs.double(), None if zt is None else zt.double(), y, coef.double(), g, *terms)
+    out = native.chunk_epilogue(zs.double(), None if zt is None else zt.double(), y, coef.double(), g, terms)
     return out, g
 
 
@@ -85,8 +86,8 @@ TRUNCATING = {"triton"}  # under the interpreter its fp32 -> bf16 stores truncat
 def assert_epilogues_agree(name, zs, zt, y, coef, terms, outs, dtype):
     """Each fast epilogue (``outs``: name -> (row results, G)) within ``tolerances.epilogue_error`` of the
     float64 one, and every two of them within the sum of their bounds (``tolerances.combined``)."""
-    ref, g64 = epilogue_float64(zs, zt, y, coef, g64_wanted := any(g is not None for _, g in outs.values()), *terms)
-    row_error, g_error = tolerances.epilogue_error(zs, zt, coef, *terms[:6])
+    ref, g64 = epilogue_float64(zs, zt, y, coef, g64_wanted := any(g is not None for _, g in outs.values()), terms)
+    row_error, g_error = tolerances.epilogue_error(zs, zt, coef, terms)
     names = ("lse", "z_y", "s_arg", "t_arg", "entropy", "kl", "accept", "renyi")
     bounds = {}
     for impl, (out, g) in outs.items():
@@ -113,14 +114,13 @@ def test_triton_epilogue_matches_the_native_kernel(name, dtype, build):
     """Row terms and G of one chunk, Triton and the native CPU kernel (this CPU's build and the
     baseline instruction set's) on the same raw logits: each against the float64 epilogue, then against
     each other, with the bounds of ``tolerances.epilogue_error``."""
-    t = fused.LossTerms(**{k: v for k, v in TERMS[name].items() if k != "label_source"})
-    teacher_labels = TERMS[name].get("label_source") == "teacher"
+    terms = TERMS[name]
+    teacher_labels = terms.label_source == "teacher"
     zs, zt, labels, coef = raw_chunk(dtype)
     y = None if teacher_labels else labels
-    terms = (t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap)
     g_native, g_triton = torch.empty_like(zs), torch.empty_like(zs)
-    ref = native.chunk_epilogue(zs, zt, y, coef, g_native, *terms)
-    out = kernel.chunk_epilogue(zs, zt.clone(), y, coef, g_triton, *terms)  # the kernel overwrites zt with KL
+    ref = native.chunk_epilogue(zs, zt, y, coef, g_native, terms)
+    out = kernel.chunk_epilogue(zs, zt.clone(), y, coef, g_triton, terms)  # the kernel overwrites zt with KL
     assert out[2][0].item() == 17  # the first of the tied maxima
     assert_epilogues_agree(name, zs, zt, y, coef, terms, {"native": (ref, g_native), "triton": (out, g_triton)}, dtype)
 
@@ -143,44 +143,49 @@ def test_triton_per_row_terms_match_the_native_kernel(name, dtype, grad, build):
     a, temp, tc, scale, cap, beta, teacher_labels = PER_ROW_CASES[name]
     zs, zt, labels, coef = raw_chunk(dtype)
     y = None if teacher_labels else labels
-    terms = (a, temp, tc, scale, cap, beta, True)
+    terms = kernel_terms(a, temp, tc, scale, cap, beta, teacher_labels)
     g_native = torch.empty_like(zs) if grad else None
     g_triton = torch.empty_like(zs) if grad else None
-    ref = native.chunk_epilogue(zs, zt, y, coef, g_native, *terms)
-    out = kernel.chunk_epilogue(zs, zt.clone(), y, coef, g_triton, *terms)
+    ref = native.chunk_epilogue(zs, zt, y, coef, g_native, terms)
+    out = kernel.chunk_epilogue(zs, zt.clone(), y, coef, g_triton, terms)
     assert len(ref) == len(out) == 8
     assert 0.05 < ref[6].median().item() and ref[6].max().item() < 1.0  # row 0 has an injected tie: its a is tiny
     assert_epilogues_agree(name, zs, zt, y, coef, terms, {"native": (ref, g_native), "triton": (out, g_triton)}, dtype)
 
 
 DSPARK_CASES = {
-    "bias_acceptance": dict(bias=True, acceptance=True),
-    "renyi_kl_cap": dict(bias=True, renyi_weight=0.4, kl_weight=0.2, cap_weight=0.1),
-    "dpard_tempered_softcap": dict(
-        bias=True, renyi_weight=0.5, dpard=True, kl_weight=0.3, temperature=1.7, softcap=2.5, logit_scale=0.8
+    "bias_acceptance": Case(LossTerms(pair_terms=pairs()), bias=True),
+    "renyi_kl_cap": Case(LossTerms(kl_weight=0.2, cap_weight=0.1, pair_terms=pairs(renyi=0.4)), bias=True),
+    "dpard_tempered_softcap": Case(
+        LossTerms(
+            kl_weight=0.3, temperature=1.7, softcap=2.5, logit_scale=0.8, pair_terms=pairs(renyi=0.5), credit=dpard()
+        ),
+        bias=True,
     ),
     # D-PACE's credit comes from each row's lse and z_y, scaled after the kernel like D-PARD's
-    "dpace_acceptance_softcap": dict(bias=True, dpace=True, acceptance=True, kl_weight=0.3, softcap=2.5),
+    "dpace_acceptance_softcap": Case(
+        LossTerms(kl_weight=0.3, softcap=2.5, pair_terms=pairs(), credit=dpace()), bias=True
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(DSPARK_CASES))
 def test_triton_dspark_terms_float32_match_the_float64_reference(name):
     """The Markov bias, acceptance, Renyi and D-PARD through compile="triton" in fp32 against the
-    float64 reference: loss, gradients of the student rows, the bias features and W2, accept_rows."""
+    float64 reference: loss, gradients of the student rows, the bias features and W2, overlap_rows."""
     from test_loss_dspark import _call, assert_within_dspark_bounds
     from test_loss_dspark import make_inputs as dspark_inputs
 
     case = DSPARK_CASES[name]
     inputs = dspark_inputs(n=40, h=16, v=V, r=6)
     ref, ref_m = _call(reference_draft_loss, case, *inputs)
-    wrt = [inputs[0], inputs[5], inputs[6]] if case.get("bias") else [inputs[0]]
+    wrt = [inputs[0], inputs[5], inputs[6]] if case.bias else [inputs[0]]
     ref_grads = torch.autograd.grad(ref, wrt)
     hs, e, w2 = (x.detach().float().requires_grad_() for x in (inputs[0], inputs[5], inputs[6]))
     ht, w_head, labels, weights = inputs[1].float(), inputs[2].float(), inputs[3], inputs[4].float()
     loss, m = _call(
         fused_draft_loss, case, hs, ht, w_head, labels, weights, e, w2, *inputs[7:], chunk_size=12, compile="triton"
     )
-    grads = torch.autograd.grad(loss, [hs, e, w2] if case.get("bias") else [hs])
+    grads = torch.autograd.grad(loss, [hs, e, w2] if case.bias else [hs])
     term_error = assert_within_dspark_bounds(case, inputs, torch.float32, loss, m, grads, ref, ref_m, ref_grads)
     assert abs(m["renyi"].item() - ref_m["renyi"].item()) <= term_error

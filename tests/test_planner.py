@@ -17,7 +17,7 @@ from dflash_trainer import cli
 from dflash_trainer.commands.plan import add_plan_parser
 from dflash_trainer.config import load_config
 from dflash_trainer.errors import UserError
-from dflash_trainer.loss import fused_draft_loss
+from dflash_trainer.loss import LossTerms, PairTerm, fused_draft_loss
 from dflash_trainer.model.drafter import DFlashDrafter, DrafterSpec
 from dflash_trainer.planner import (
     Topology,
@@ -112,6 +112,14 @@ def test_drafter_param_count_matches_the_real_drafter(layers, k, heads, kv, hd, 
     assert F.drafter_largest_param(dims, k) == max(p.numel() for p in params)
 
 
+def loss_terms(terms: dict) -> LossTerms:
+    """The loss terms of a ``Workload``'s loss fields: ``tv_weight`` is the TV pair term (1 - overlap)."""
+    terms = dict(terms)
+    tv_weight = terms.pop("tv_weight", 0.0)
+    tv = (PairTerm("tv", "overlap", weight=tv_weight, scale=-1.0, offset=1.0),) if tv_weight else ()
+    return LossTerms(**terms, pair_terms=tv)
+
+
 @pytest.mark.parametrize(
     "terms",
     [
@@ -149,9 +157,10 @@ def test_loss_workspace_matches_the_fused_loss(terms, kernel):
         labels="teacher" if "label_source" in terms else "data",
     )
     teacher = ht if w.need_teacher else None  # as loss_of passes it
+    loss = loss_terms(terms)
     _, extra, _ = allocator_peak(
         lambda: fused_draft_loss(
-            hs, teacher, head, labels, weights, chunk_size=chunk, compile="native" if kernel else False, **terms
+            hs, teacher, head, labels, weights, loss, chunk_size=chunk, compile="native" if kernel else False
         )
     )
     predicted = sum(F.loss_workspace(w, v, h, chunk, correct_fraction=1.0, kernel=kernel).values())

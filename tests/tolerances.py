@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trainer.loss.terms import LossTerms
+
 _MANTISSA_BITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
 
 # Library elementary functions in float: glibc's libm and libmvec document at most 1-4 ulp for
@@ -84,11 +86,14 @@ def transformed_logits(z_raw: torch.Tensor, logit_scale: float, softcap: float |
     return softcap * torch.tanh(z / softcap) if softcap else z
 
 
-def epilogue_error(
-    zs_raw, zt_raw, coef, kl_weight, temperature, cap_temperature, logit_scale, softcap, renyi_weight=0.0
-):
-    """Bounds for a chunk epilogue (``native.chunk_epilogue``'s contract) computed in float from raw
-    logits exact in the head dtype, against the same epilogue in float64. Returns
+def renyi_gradient_weight(terms: LossTerms) -> float:
+    """``sum weight * |scale|`` over the weighted ``renyi_half`` pair terms: beta, the Renyi weight of the bounds."""
+    return sum(t.weight * abs(t.scale) for t in terms.pair_terms if t.statistic == "renyi_half" and t.weight > 0)
+
+
+def epilogue_error(zs_raw, zt_raw, coef, terms: LossTerms):
+    """Bounds for a chunk epilogue (``native.chunk_epilogue``'s contract, ``terms`` a ``LossTerms``)
+    computed in float from raw logits exact in the head dtype, against the same epilogue in float64. Returns
     ``(row_error, g_error)``: ``row_error(x64)`` bounds each row result (lse, entropy, KL, acceptance,
     Renyi) given its float64 value, ``g_error`` ``[c, 1]`` bounds every element of G before it is
     rounded to the head dtype (``g_head_error`` adds that rounding).
@@ -104,6 +109,8 @@ def epilogue_error(
     probabilities and a logit (or log-probability) bounded by ``|x| + spread``: ``4 delta (1 + |x| +
     spread)`` covers it, and the acceptance and Renyi terms (sums of min(p, q), -2 log of a sum of
     sqrt(p q)) are within that too."""
+    kl_weight, temperature, cap_temperature = terms.kl_weight, terms.temperature, terms.cap_temperature
+    logit_scale, softcap, renyi_weight = terms.logit_scale, terms.softcap, renyi_gradient_weight(terms)
     u = unit_roundoff(torch.float32)
     t_min = min(1.0, temperature, cap_temperature)
     zs = transformed_logits(zs_raw, logit_scale, softcap)
@@ -132,11 +139,12 @@ def g_head_error(g_error: torch.Tensor, g64: torch.Tensor, head_dtype: torch.dty
     return g_error * (1 + u) + u * g64.abs()
 
 
-def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, temperature=1.0, cap_weight=0.0,
-                     cap_temperature=1.0, logit_scale=1.0, softcap=None, label_source="data", renyi_weight=0.0,
-                     bias_rows=None, bias_weight=None, dpard=False, dpard_alpha=0.5, block_ids=None, dpace=False,
-                     dpace_alpha=0.5, tv_weight=0.0, **_):  # fmt: skip
-    """Bounds for the fused draft loss computed from the float64 inputs rounded to ``dtype`` (fp32, or
+def fused_loss_error(
+    hs, ht, w_head, labels, weights, dtype, terms: LossTerms | None = None, *, bias_rows=None, bias_weight=None,
+    block_ids=None,
+):  # fmt: skip
+    """Bounds for the fused draft loss with ``terms`` (a ``LossTerms``; its call keywords: the low-rank
+    bias and the block ids) computed from the float64 inputs rounded to ``dtype`` (fp32, or
     bf16 with fp32 logits), against the float64 reference on the float64 inputs: ``(loss_error,
     grad_error, term_error)``: the loss's absolute error, an elementwise ``[N, H]`` bound on the
     gradient of ``hs`` (before its own rounding to ``dtype``), and the bound of a metric that averages
@@ -174,9 +182,18 @@ def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, t
       ``m_v = [p_v < q_v]``, ``S = sum m_u p_u``, is within delta_i of ``p_v S + m_v p_v``, except where
       p_v and q_v are within 2 delta of each other and the mask can flip: there the bound takes p_v
       (the flipped mask) on element v and p_v S's change, ``p_v p_u``, on every element u of the row.
+      A weighted pair term ``offset + scale x`` (x the overlap a or the Renyi value) takes its
+      statistic's bounds times ``|scale|`` (TV: scale -1, offset 1; Renyi: scale 1, offset 0).
 
     Returns ``(loss_error, grad_error, term_error)``, with a bias ``(loss_error, (grad_error,
     e_error, w2_error), term_error)``."""
+    t = LossTerms() if terms is None else terms
+    kl_weight, temperature, cap_weight, cap_temperature = t.kl_weight, t.temperature, t.cap_weight, t.cap_temperature
+    logit_scale, softcap, label_source = t.logit_scale, t.softcap, t.label_source
+    dpard = t.credit is not None and t.credit.confidence == "overlap"  # D-PARD's credit
+    dpace = t.credit is not None and t.credit.confidence == "label_prob"  # D-PACE's
+    dpard_alpha = dpace_alpha = t.credit.alpha if t.credit is not None else 0.5
+    weighted = [term for term in t.pair_terms if term.weight > 0]
     u_d, u = unit_roundoff(dtype), unit_roundoff(torch.float32)
     hs, ht, w_head, weights = (x.detach().double() for x in (hs, ht, w_head, weights))
     n, h = hs.shape
@@ -246,20 +263,25 @@ def fused_loss_error(hs, ht, w_head, labels, weights, dtype, *, kl_weight=0.0, t
     loss_error = loss_error + (gamma(n, torch.float32) + 2 * u_d) * magnitude
 
     g_abs = (1 - a) * (p + torch.nn.functional.one_hot(y, vocab)) + a * temp * (p_t + q_t)
-    if renyi_weight:
+    for pair in (x for x in weighted if x.statistic == "renyi_half"):  # Renyi-1/2 (scale 1, offset 0)
         q1 = zt.softmax(-1)
         root = (p * q1).sqrt()
-        g_abs = g_abs + renyi_weight * (p + root / root.sum(-1, keepdim=True))
+        g_abs = g_abs + pair.weight * abs(pair.scale) * (p + root / root.sum(-1, keepdim=True))
         renyi = -2 * root.sum(-1).log()
-        loss_error = loss_error + renyi_weight * (coef * (term(renyi) + coef_rel * renyi.abs())).sum()
-    if tv_weight:
+        value = pair.offset + pair.scale * renyi
+        loss_error = loss_error + pair.weight * (coef * (abs(pair.scale) * term(renyi) + coef_rel * value.abs())).sum()
+    for pair in (x for x in weighted if x.statistic == "overlap"):  # TV = 1 - a (scale -1, offset 1)
         q1 = zt.softmax(-1)
-        tv = 1 - torch.minimum(p, q1).sum(-1)
-        loss_error = loss_error + tv_weight * (coef * (4 * delta + u + coef_rel * tv)).sum()
+        accept = torch.minimum(p, q1).sum(-1)
+        value = pair.offset + pair.scale * accept
+        loss_error = (
+            loss_error + pair.weight * (coef * (abs(pair.scale) * 4 * delta + u + coef_rel * value.abs())).sum()
+        )
         mp = torch.where(p < q1, p, torch.zeros_like(p))
         near = (p - q1).abs() <= 2 * delta[:, None] * torch.maximum(p, q1)
         flip = torch.where(near, p, torch.zeros_like(p))
-        g_abs = g_abs + tv_weight * (p * mp.sum(-1, keepdim=True) + mp + flip + p * flip.sum(-1, keepdim=True))
+        mask_terms = p * mp.sum(-1, keepdim=True) + mp + flip + p * flip.sum(-1, keepdim=True)
+        g_abs = g_abs + pair.weight * abs(pair.scale) * mask_terms
     g_abs = coef[:, None] * g_abs
     pc = log_pc.exp()
     cap = cap_weight / (n_c * tc) * pc * (log_pc.abs() + entropy[:, None] + 2)

@@ -184,33 +184,21 @@ def reset() -> None:
     BUILD_SECONDS, BUILD_ERROR = None, None
 
 
-def chunk_epilogue(
-    zs_raw,
-    zt_raw,
-    y,
-    coef,
-    g_out,
-    kl_weight,
-    temperature,
-    cap_temperature,
-    logit_scale,
-    softcap,
-    renyi_weight=0.0,
-    per_row=False,
-    top_k=0,
-):
-    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``; with
-    ``per_row`` also ``(accept, renyi)`` ``[c]`` (DSpark: ``sum_v min(p_v, q_v)`` and
-    ``-2 log sum_v sqrt(p_v q_v)`` of the student p and teacher q at T = 1), and G then includes
-    ``renyi_weight`` times the Renyi term's gradient, scaled by ``coef`` like the other terms; with
-    ``top_k`` K > 0 last ``(top_ids [c, K] int64, top_logits [c, K])``: the K largest transformed student
-    logits of each row, sorted descending (ties: lower id first), selected in the kernel's row pass.
+def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, t):
+    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk, and G in ``g_out``, for the
+    terms ``t`` (``loss.terms.LossTerms``); with ``t.pair_statistics`` also ``(overlap, renyi_half)``
+    ``[c]`` (``sum_v min(p_v, q_v)`` and ``-2 log sum_v sqrt(p_v q_v)`` of the student p and teacher q at
+    T = 1), and G then includes the weighted ``renyi_half`` terms' gradient, scaled by ``coef`` like the
+    other terms; with ``t.top_k`` K > 0 last ``(top_ids [c, K] int64, top_logits [c, K])``: the K largest
+    transformed student logits of each row, sorted descending (ties: lower id first), selected in the
+    kernel's row pass.
 
     ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (head dtype, contiguous; ``zt_raw`` may be None, not
-    with ``per_row``), ``y`` ``[c]`` int64 data labels or None (teacher labels), ``coef`` ``[c]`` =
+    with pair statistics), ``y`` ``[c]`` int64 data labels or None (teacher labels), ``coef`` ``[c]`` =
     w / sum w in the compute dtype, ``g_out`` ``[c, V]`` head dtype or None. Same math as
-    ``fused._eager_chunk``.
+    ``eager.eager_chunk``; a weighted ``overlap`` term is not computed here (``t.kernel_ready``).
     """
+    per_row, top_k = t.pair_statistics, t.top_k
     lib = load()
     name, compute = ENTRY[zs_raw.dtype]
     c, vocab = zs_raw.shape
@@ -218,7 +206,7 @@ def chunk_epilogue(
     if not all(x.is_contiguous() for x in tensors) or coef.dtype != compute:
         raise ValueError("chunk_epilogue: contiguous inputs and a coef in the compute dtype are required")
     if per_row and zt_raw is None:
-        raise ValueError("chunk_epilogue: the per-row terms (acceptance, Renyi) need the teacher's logits")
+        raise ValueError("chunk_epilogue: the pair statistics need the teacher's logits")
     y = None if y is None else y.to(torch.int64).contiguous()
     coef = coef.contiguous()
     lse, z_y, entropy, kl, accept, renyi = (torch.empty(c, dtype=compute) for _ in range(6))
@@ -229,7 +217,8 @@ def chunk_epilogue(
     top_logits = torch.empty(c, top_k, dtype=compute)
     top = (top_ids, top_logits) if top_k else (None, None)
     fn = getattr(lib, name)
-    terms = (kl_weight, temperature, cap_temperature, logit_scale, softcap or 0.0, renyi_weight, int(per_row))
+    renyi_weight = t.gradient_weight("renyi_half")
+    terms = (t.kl_weight, t.temperature, t.cap_temperature, t.logit_scale, t.softcap or 0.0, renyi_weight, int(per_row))
 
     def rows(r0: int, r1: int, threads: int = 1) -> int:
         def at(x, row_len):  # address of row r0 of x

@@ -239,33 +239,24 @@ def _chunk_kernel(
             tl.store(g_ptr + row * V + offs, v.to(g_ptr.dtype.element_ty), mask=inside)
 
 
-def chunk_epilogue(
-    zs_raw,
-    zt_raw,
-    y,
-    coef,
-    g_out,
-    kl_weight,
-    temperature,
-    cap_temperature,
-    logit_scale,
-    softcap,
-    renyi_weight=0.0,
-    per_row=False,
-):
-    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk (then ``(accept, renyi)``
-    with ``per_row``), and G in ``g_out``: ``native.chunk_epilogue``'s contract. An fp32 ``zt_raw`` is
-    overwritten when there is a gradient and KL (unless ``per_row`` with T != 1).
+def chunk_epilogue(zs_raw, zt_raw, y, coef, g_out, t):
+    """Row terms ``(lse, z_y, s_arg, t_arg, entropy, kl)`` ``[c]`` of a chunk for the terms ``t``
+    (``loss.terms.LossTerms``; then ``(overlap, renyi_half)`` with ``t.pair_statistics``), and G in
+    ``g_out``: ``native.chunk_epilogue``'s contract. An fp32 ``zt_raw`` is overwritten when there is a
+    gradient and KL (unless the pair statistics are on with T != 1).
 
     ``zs_raw``/``zt_raw`` ``[c, V]`` raw logits (bf16 or fp32, contiguous; ``zt_raw`` may be None), ``y``
     ``[c]`` data labels or None (teacher labels), ``coef`` ``[c]`` fp32 = w / sum w, ``g_out`` ``[c, V]``
     head dtype or None."""
+    kl_weight, temperature, cap_temperature = t.kl_weight, t.temperature, t.cap_temperature
+    logit_scale, softcap, per_row = t.logit_scale, t.softcap, t.pair_statistics
+    renyi_weight = t.gradient_weight("renyi_half")
     c, vocab = zs_raw.shape
     tensors = [x for x in (zs_raw, zt_raw, g_out) if x is not None]
     if zs_raw.dtype not in DTYPES or not all(x.is_contiguous() and x.dtype == zs_raw.dtype for x in tensors):
         raise ValueError("triton chunk_epilogue: contiguous bf16 or fp32 logits and G of one dtype are required")
     if per_row and zt_raw is None:
-        raise ValueError("triton chunk_epilogue: the per-row terms (acceptance, Renyi) need the teacher's logits")
+        raise ValueError("triton chunk_epilogue: the pair statistics need the teacher's logits")
     kl_on = zt_raw is not None and kl_weight > 0
     tempered = kl_on and temperature != 1.0
     store_e = g_out is not None and zs_raw.dtype == torch.float32

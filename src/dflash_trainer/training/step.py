@@ -26,6 +26,7 @@ from torch.profiler import record_function
 from ..config import RunConfig
 from ..data.blocks import build_blocks, sample_anchors
 from ..data.packing import PackedRow, doc_ids_from_positions
+from ..loss import BlockCredit, LossTerms, PairTerm
 from ..model.drafter import DFlashDrafter
 from ..model.target import RowFeatures, TargetModel
 from ..variants import variant_of
@@ -152,26 +153,29 @@ def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, refe
         head = head.to(torch.bfloat16)
     hidden = batch.hidden.to(head.dtype)
     teacher = batch.teacher.to(head.dtype) if batch.teacher is not None else None
-    terms = dict(
+    terms = loss_terms(cfg, drafter.spec.logit_options)
+    options = {"chunk_size": cfg.loss.chunk_size}
+    if terms.credit is not None:  # the block credit replaces the slot weights (which keep the rows)
+        rows = batch.hidden.shape[0]
+        options["block_ids"] = torch.arange(rows, device=batch.hidden.device) // drafter.spec.block_size
+    with phase("loss"):
+        return variant_of(drafter.spec).loss(drafter, hidden, teacher, head, batch, terms, options, reference=reference)
+
+
+def loss_terms(cfg: RunConfig, logit_options: dict) -> LossTerms:
+    """The run's base loss terms (``loss.*``; a variant adds its own in ``Variant.loss``) with the
+    target's logit transform ``logit_options`` (``DrafterSpec.logit_options``)."""
+    pair_terms = ()
+    if cfg.loss.tv_weight > 0:  # total variation 1 - overlap = 0.5 sum_v |p_v - q_v|
+        pair_terms = (PairTerm("tv", "overlap", weight=cfg.loss.tv_weight, scale=-1.0, offset=1.0),)
+    credit = BlockCredit("label_prob", cfg.loss.dpace_alpha) if cfg.loss.position_weights == "dpace" else None
+    return LossTerms(
         kl_weight=cfg.loss.kl_weight,
         temperature=cfg.loss.temperature,
         cap_weight=cfg.loss.cap_weight,
         cap_temperature=cfg.loss.cap_temperature,
         label_source=cfg.loss.labels,
-        tv_weight=cfg.loss.tv_weight,
-        **drafter.spec.logit_options,
+        pair_terms=pair_terms,
+        credit=credit,
+        **logit_options,
     )
-    if cfg.loss.position_weights == "dpace":  # the block credit replaces the slot weights (which keep the rows)
-        rows = batch.hidden.shape[0]
-        block_ids = torch.arange(rows, device=batch.hidden.device) // drafter.spec.block_size
-        terms.update(dpace=True, dpace_alpha=cfg.loss.dpace_alpha, block_ids=block_ids)
-    with phase("loss"):
-        return variant_of(drafter.spec).loss(
-            drafter,
-            hidden,
-            teacher,
-            head,
-            batch,
-            {"terms": terms, "chunk_size": cfg.loss.chunk_size},
-            reference=reference,
-        )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..loss import fused_draft_loss, reference_draft_loss
+from ..loss import LossTerms, fused_draft_loss, reference_draft_loss
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
 
@@ -101,29 +101,34 @@ class Variant:
         """Per-row tensors of a step's blocks the variant's loss needs (``anchors`` ``[nb]``, ``input_ids`` ``[L]``)."""
         return {}
 
-    def loss(self, drafter: DFlashDrafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool):
+    def loss(
+        self, drafter: DFlashDrafter, hidden, teacher, head, batch, terms: LossTerms, options: dict, *, reference: bool
+    ):
         """``(loss, metrics)`` of one row's blocks. ``hidden``/``teacher`` ``[N, H]`` and ``head`` ``[V, H]`` in
-        the loss's dtype; ``loss_kwargs`` the base terms (``fused_draft_loss``'s keywords)."""
-        return self.draft_loss(drafter, hidden, teacher, head, batch, loss_kwargs, reference=reference)
+        the loss's dtype; ``terms`` the run's loss terms (``loss.LossTerms``), which a variant extends;
+        ``options`` the call's other keywords of ``fused_draft_loss`` (``chunk_size``, ``block_ids``)."""
+        return self.draft_loss(drafter, hidden, teacher, head, batch, terms, options, reference=reference)
 
     @staticmethod
-    def draft_loss(drafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool, **extra):
-        """The fused draft loss (or its plain reference) of ``batch``'s rows with the base terms plus a
-        variant's ``extra`` keywords of ``fused_draft_loss`` (DSpark's bias and per-row terms, DFlash2's top K)."""
+    def draft_loss(drafter, hidden, teacher, head, batch, terms: LossTerms, options: dict, *, reference: bool, **data):
+        """The fused draft loss (or its plain reference) of ``batch``'s rows with ``terms``, ``options`` and a
+        variant's ``data`` keywords of ``fused_draft_loss`` (DSpark's low-rank bias and block ids)."""
         weights = batch.weights.to(head.dtype)
-        terms = {**loss_kwargs["terms"], **extra}
+        data = {**options, **data}
+        chunk_size = data.pop("chunk_size", None)
         if reference:
-            return reference_draft_loss(hidden, teacher, head, batch.labels, weights, **terms)
+            return reference_draft_loss(hidden, teacher, head, batch.labels, weights, terms, **data)
         return fused_draft_loss(
             hidden,
             teacher,
             head,
             batch.labels,
             weights,
+            terms,
             slot_ids=batch.slots,
             num_slots=drafter.spec.block_size,
-            chunk_size=loss_kwargs["chunk_size"],
-            **terms,
+            chunk_size=chunk_size,
+            **data,
         )
 
     def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):

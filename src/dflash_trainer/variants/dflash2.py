@@ -30,6 +30,8 @@ out of the fused loss's chunk loop (``top_k``): the selector only ever sees ``[N
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
@@ -37,6 +39,7 @@ from torch import nn
 
 from ..config.variants import DFlash2Settings
 from ..errors import UserError
+from ..loss import LossTerms
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from .base import Variant
@@ -286,20 +289,21 @@ class DFlash2Variant(Variant):
         idx = torch.maximum(anchors[:, None] + k - 1, anchors[:, None])
         return {"prev_ids": input_ids[idx].reshape(-1)}
 
-    def loss(self, drafter: DFlashDrafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool):
-        o, terms = _options(drafter.spec), loss_kwargs["terms"]
-        if terms.get("label_source", "data") != "data":
+    def loss(
+        self, drafter: DFlashDrafter, hidden, teacher, head, batch, terms: LossTerms, options: dict, *, reference: bool
+    ):
+        o = _options(drafter.spec)
+        if terms.label_source != "data":
             raise UserError(
                 "drafter.variant dflash2 trains its selector on the data labels: set loss.label_source=data"
             )
-        loss, metrics = self.draft_loss(
-            drafter, hidden, teacher, head, batch, loss_kwargs, reference=reference, top_k=o["selector_top_k"]
-        )
+        topk = replace(terms, top_k=o["selector_top_k"])
+        loss, metrics = self.draft_loss(drafter, hidden, teacher, head, batch, topk, options, reference=reference)
         sel_loss, sel_metrics = self.selector_loss(drafter, hidden, head, batch, metrics["topk_ids"], terms)
         metrics.update(sel_metrics)
         return loss + o["selector_alpha"] * sel_loss.to(loss.dtype), metrics
 
-    def selector_loss(self, drafter: DFlashDrafter, hidden, head, batch, topk_ids, terms: dict):
+    def selector_loss(self, drafter: DFlashDrafter, hidden, head, batch, topk_ids, terms: LossTerms):
         """The K-way cross-entropy of the selector over the rows with weight > 0 (``hidden`` ``[N, H]``,
         ``topk_ids`` ``[N, K]`` from the loss's chunk loop), as a weighted mean like the base loss's
         terms; metrics ``candidate_recall`` (label among the unary top K) and ``selector_accuracy``
@@ -311,7 +315,7 @@ class DFlash2Variant(Variant):
         labels = batch.labels[rows]
         candidates, position, inside = selector_training_candidates(topk_ids[rows], labels)
         h = hidden[rows]
-        unary = candidate_logits(h, head, candidates, terms.get("logit_scale", 1.0), terms.get("softcap"))
+        unary = candidate_logits(h, head, candidates, terms.logit_scale, terms.softcap)
         selector = drafter.candidate_selector
         context = selector.context(h, batch.extras["prev_ids"][rows])
         scores = unary.to(w.dtype) + selector.transition(context, candidates).to(w.dtype)  # [n, K]

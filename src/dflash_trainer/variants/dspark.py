@@ -23,6 +23,8 @@ drafted (``propose`` walks the block slot by slot: one drafter pass, only the he
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
@@ -30,6 +32,7 @@ from torch import nn
 
 from ..config.variants import DSparkSettings
 from ..errors import UserError
+from ..loss import BlockCredit, LossTerms, PairTerm
 from ..loss.logits import transform_logits
 from ..model.drafter import DFlashDrafter, DrafterSpec
 from .base import Variant
@@ -191,31 +194,34 @@ class DSparkVariant(Variant):
             conf = drafter.confidence_head(x)
         return feat.reshape(n, -1), conf
 
-    def loss(self, drafter: DFlashDrafter, hidden, teacher, head, batch, loss_kwargs: dict, *, reference: bool):
+    def loss(
+        self, drafter: DFlashDrafter, hidden, teacher, head, batch, terms: LossTerms, options: dict, *, reference: bool
+    ):
         o, spec = _options(drafter.spec), drafter.spec
         b = spec.block_size
         feat, conf = self.head_inputs(drafter, batch.extras["prev_ids"], hidden)
         dpard = o["position_weights"] == "dpard"
+        if self.needs_teacher(o):  # acceptance a = the overlap, Renyi-1/2 (weighted by renyi_weight), D-PARD
+            own = (PairTerm("accept", "overlap"), PairTerm("renyi", "renyi_half", weight=o["renyi_weight"]))
+            credit = BlockCredit("overlap", o["dpard_alpha"]) if dpard else terms.credit
+            terms = replace(terms, pair_terms=own + terms.pair_terms, credit=credit)
         loss, metrics = self.draft_loss(
             drafter,
             hidden,
             teacher,
             head,
             batch,
-            loss_kwargs,
+            terms,
+            options,
             reference=reference,
             bias_rows=feat.to(head.dtype),
             bias_weight=drafter.markov_head.markov_w2.weight.to(head.dtype),
-            renyi_weight=o["renyi_weight"],
-            acceptance=conf is not None,
-            dpard=dpard,
-            dpard_alpha=o["dpard_alpha"],
             **({"block_ids": torch.arange(hidden.shape[0], device=hidden.device) // b} if dpard else {}),
         )
         if conf is not None:
             # BCE against the measured acceptance, detached, on the fixed slot weights (as speculators:
             # D-PARD's credit is for the token terms), as a weighted mean like the other terms.
-            accept = metrics["accept_rows"].detach().to(conf.dtype)
+            accept = metrics["overlap_rows"].detach().to(conf.dtype)
             w = batch.weights.to(conf.dtype)
             bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
             conf_loss = (w * bce).sum() / w.sum().clamp(min=1e-12)
