@@ -42,6 +42,13 @@ from . import native
 from .chunks import STATS, STATS_COLUMNS, chunk_rows, run_chunks
 from .terms import LossTerms
 
+
+@torch._dynamo.assume_constant_result
+def _terms_json(terms: LossTerms) -> str:
+    """The op's string argument; a constant to torch.compile (dynamo cannot trace ``json.dumps``)."""
+    return terms.to_json()
+
+
 COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" / "native" / "triton" override compile="auto"
 
 
@@ -448,7 +455,7 @@ def fused_draft_loss(
         bias_rows,
         bias_weight,
         block_ids.long() if (terms.credit is not None and block_ids is not None) else None,
-        terms.to_json(),
+        _terms_json(terms),
         chunk_rows(vocab, chunk_size, memory_budget),
         policy,
         torch.is_grad_enabled() and (hs.requires_grad or (bias_rows is not None and bias_rows.requires_grad)),

@@ -157,7 +157,7 @@ class LossTerms:
 
     def to_json(self) -> str:
         """The terms as a string: what the custom op takes (its schema holds no dataclasses)."""
-        return self._json
+        return json.dumps(asdict(self), sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> LossTerms:

@@ -9,7 +9,7 @@ One program per row of the chunk walks the row's ``V`` logits in blocks, three t
     pass 3  G w.r.t. the raw logits, written into ``g`` in the head dtype: from the stored e (fp32
             head), or from exponentials computed again (bf16 head)
 
-DSpark's per-row terms (``PER_ROW``) add the teacher at T = 1 to pass 2 (its normalizer and the
+The pair statistics (``PER_ROW``: overlap and Renyi-1/2, any caller's pair terms) add the teacher at T = 1 to pass 2 (its normalizer and the
 Bhattacharyya sum ``sum sqrt(e^d e^u1)``; with KL at T = 1 that is e^u itself), one pass between 2 and
 3 for the acceptance ``sum min(p, q)`` (it needs both normalizers; from the stored e where there are
 any, else exponentials again), and the Renyi-1/2 gradient in pass 3. With KL at T != 1 the teacher's
@@ -22,7 +22,7 @@ where p and q nearly cancel (measured against the native kernel, which keeps the
 GPU row of 248K logits has no room in fast memory). Inductor's kernel recomputes them in every pass:
 four or more per logit with KL. Values are cast to fp32 right after each load: all arithmetic is fp32
 (bf16 arithmetic is also what Triton's CPU interpreter gets wrong). A softcap's tanh is computed from
-one exponential in every pass that reads the logits. The math is ``fused._chunk_epilogue`` + ``_row_terms``; tests compare it with the float64
+one exponential in every pass that reads the logits. The math is ``eager.eager_chunk``'s; tests compare it with the float64
 reference and with the native kernel under ``TRITON_INTERPRET=1``, which must be set before this module
 is imported (``triton.jit`` reads it when it decorates).
 """
