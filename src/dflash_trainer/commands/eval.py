@@ -1,6 +1,6 @@
 """``dflash-train eval CKPT [CKPT ...] --data FILE_OR_DIR --out DIR``: acceptance of drafter checkpoints.
 
-Evaluates several checkpoints of one target on the same rows (``inference.acceptance``) and writes
+Evaluates several checkpoints of one target on the same rows (``inference.checkpoint_eval``) and writes
 ``DIR/report.json``, ``DIR/acceptance_per_slot.png``, ``DIR/tau_vs_budget.png``,
 ``DIR/data_report.json`` and ``DIR/run.yaml``. With ``--temperature T > 0`` each checkpoint's report
 also holds ``sampling``: tau(T) expected under target sampling along the held-out responses and
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config.cli_args import add_config_args, resolve_config
-from ..inference.acceptance import DEFAULT_BUDGETS, REPORT_FORMAT, EvalInputError, acceptance_report, check_budgets
+from ..inference.acceptance import DEFAULT_BUDGETS, REPORT_FORMAT, EvalInputError, check_budgets
 from ..io import atomic_write, atomic_write_json
 
 
@@ -216,9 +216,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..data.documents import check_report
     from ..data.prepare import ensure_prepared, request_for
     from ..export.layouts import load_any_drafter
+    from ..inference.checkpoint_eval import Checkpoint, evaluate_checkpoints
     from ..inference.regenerate import eos_ids
     from ..model.loading import load_target, load_target_config
-    from ..model.target import TargetModel
 
     budgets = check_budgets(_parse_positive_ints(args.budgets, "--budgets"))
     if not 0 <= args.temperature < float("inf"):  # NaN fails it too
@@ -262,52 +262,24 @@ def run_eval(args: argparse.Namespace) -> int:
         f"records skipped; {len(rows)} rows of {cfg.data.seq_len} tokens; target {target_path} on {device}",
         flush=True,
     )
-    entries = []
-    for path, label, meta in zip(checkpoints, unique_labels(checkpoints), metas):
-        target = TargetModel(model, layer_ids=meta["target"]["layer_ids"])
-        drafter, _ = load_any_drafter(path, target)  # checks again, against the loaded weights' shapes
-        drafter.to(device)
-        report = acceptance_report(
-            target,
-            drafter,
-            rows,
-            budgets=budgets,
-            max_blocks_per_row=max_blocks,
-            seed=args.seed,
-            attention_backend=cfg.drafter.attention_backend,
-        )
-        print(f"{label}: chain tau {report['tau']:.3f} over {report['blocks']} blocks", flush=True)
-        if args.temperature > 0:
-            report["sampling"] = _sampled_report(
-                target,
-                drafter,
-                rows,
-                eos_ids(model, tokenizer),
-                budgets=budgets,
-                max_blocks=max_blocks,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                sample_prompts=sample_prompts,
-                max_new_tokens=max_new_tokens,
-                seed=args.seed,
-                attention_backend=cfg.drafter.attention_backend,
-            )
-            ex, me = report["sampling"]["expected"], report["sampling"]["measured"]
-            print(
-                f"{label}: T={args.temperature:g} chain tau expected {ex['tau']:.3f}, measured "
-                f"{me['chain']['tau']:.3f} +- {me['chain']['stderr']:.3f} ({me['chain']['rounds']} rounds)",
-                flush=True,
-            )
-        entries.append(
-            {
-                "label": label,
-                "path": str(path),
-                "step": meta.get("step"),
-                "layer_ids": target.layer_ids,
-                "report": report,
-            }
-        )
-        del drafter
+    entries = evaluate_checkpoints(
+        model,
+        [Checkpoint(p, label, m) for p, label, m in zip(checkpoints, unique_labels(checkpoints), metas)],
+        rows,
+        # checks the drafter again, against the loaded weights' shapes
+        lambda path, target: load_any_drafter(path, target)[0],
+        budgets=budgets,
+        max_blocks_per_row=max_blocks,
+        seed=args.seed,
+        attention_backend=cfg.drafter.attention_backend,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        # only sampling stops at eos: a greedy evaluation does not need the target to have one
+        eos_ids=eos_ids(model, tokenizer) if args.temperature > 0 else (),
+        sample_prompts=sample_prompts,
+        max_new_tokens=max_new_tokens,
+        log=lambda line: print(line, flush=True),
+    )
 
     result = {
         "format": REPORT_FORMAT,
@@ -327,54 +299,6 @@ def run_eval(args: argparse.Namespace) -> int:
     print(format_table(entries))
     print(f"wrote {out / 'report.json'}, {out / 'acceptance_per_slot.png'}, {out / 'tau_vs_budget.png'}")
     return 0
-
-
-def _sampled_report(
-    target,
-    drafter,
-    rows,
-    eos,
-    *,
-    budgets,
-    max_blocks,
-    temperature,
-    top_p,
-    sample_prompts,
-    max_new_tokens,
-    seed,
-    attention_backend,
-) -> dict:
-    """tau(T) both ways: expected along the held-out responses, measured by real speculative sampling
-    from the first ``sample_prompts`` documents' prompts."""
-    from ..inference.sampled_acceptance import (
-        document_prompts,
-        expected_sampled_acceptance,
-        measured_sampled_acceptance,
-    )
-
-    expected = expected_sampled_acceptance(
-        target,
-        drafter,
-        rows,
-        temperature=temperature,
-        top_p=top_p,
-        budgets=budgets,
-        max_blocks_per_row=max_blocks,
-        seed=seed,
-        attention_backend=attention_backend,
-    )
-    measured = measured_sampled_acceptance(
-        target,
-        drafter,
-        document_prompts(rows, sample_prompts),
-        eos,
-        temperature=temperature,
-        top_p=top_p,
-        budgets=budgets,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-    )
-    return {"temperature": temperature, "top_p": top_p, "expected": expected, "measured": measured}
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:

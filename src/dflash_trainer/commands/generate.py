@@ -18,14 +18,14 @@ import itertools
 import json
 import math
 import os
-import time
 from pathlib import Path
 
+from ..config import RunConfig
 from ..config.cli_args import add_config_args, positive_int, resolve_config
 from ..data.records import expand_paths, iter_records
 from ..data.sources import count_records
 from ..errors import UserError
-from ..inference.regenerate import GenerationStats, Skipped, regenerate_batches
+from ..inference.regenerate import Regeneration, regenerate_into
 from ..io import atomic_write_json
 
 
@@ -106,20 +106,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("--server URL is its own engine: drop --engine, or drop --server")
     cfg = resolve_config(args)
     done = _load_partial(partial)
-    engine_name = "server" if args.server else args.engine
-    engine = None
-    if engine_name == "transformers":
-        import torch
-
-        from ..model.loading import load_target
-
-        model, tokenizer, target_folder = load_target(cfg.target)
-        model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    else:
-        model, tokenizer, target_folder = _engine_target(cfg.target.path)
-        from ..serving.engines import ServerEngine, VllmEngine
-
-        engine = ServerEngine(args.server) if args.server else VllmEngine(target_folder, dtype=cfg.target.dtype)
+    model, tokenizer, target_folder, engine = _generator(args, cfg)
 
     total = count_records(files)
     if args.limit is not None:
@@ -129,15 +116,20 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     todo = (r for r in records if (str(Path(r.source).resolve()), r.line) not in done)
 
-    stats = GenerationStats()
-    skipped: dict[str, list[str]] = {}
-    written = len(done)
-    start = time.perf_counter()
     with _writing(partial), open(partial, "a", encoding="utf-8") as f:
-        for batch in regenerate_batches(
+
+        def write(records: list[dict]) -> None:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            # A kill loses at most the batch in flight: everything before it is on disk.
+            f.flush()
+            os.fsync(f.fileno())
+
+        run = regenerate_into(
             todo,
             model,
             tokenizer,
+            write,
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
             temperature=args.temperature,
@@ -145,28 +137,38 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.no_progress,
             total=max(total - len(done), 0),
-            stats=stats,
             engine=engine,
-        ):
-            for item in batch:
-                if isinstance(item, Skipped):
-                    skipped.setdefault(item.reason, []).append(item.source)
-                else:
-                    f.write(json.dumps(item, ensure_ascii=False) + "\n")
-                    written += 1
-            # A kill loses at most the batch in flight: everything before it is on disk.
-            f.flush()
-            os.fsync(f.fileno())
-    seconds = time.perf_counter() - start
+        )
     if engine is not None:
         engine.close()
-    generated = written - len(done)
-    report = {
+    report = _report(args, out, files, target_folder, len(done), run)
+    # Report first, then the rename: once OUT exists, its report does too.
+    with _writing(partial):
+        atomic_write_json(report_path, report)
+        os.replace(partial, out)
+    print(
+        f"wrote {report['records_written']} records to {out} ({len(done)} resumed, {run.generated} generated in "
+        f"{run.seconds:.1f} s, {report['records_per_second']} records/s, {run.stats.new_tokens} new tokens)"
+    )
+    for reason, srcs in sorted(run.skipped.items()):
+        shown = ", ".join(srcs[:3]) + (", ..." if len(srcs) > 3 else "")
+        print(f"skipped {len(srcs)}: {reason} ({shown})")
+    print(f"report: {report_path}")
+    return 0
+
+
+def _report(
+    args: argparse.Namespace, out: Path, files: list[Path], target_folder: Path | str, resumed: int, run: Regeneration
+) -> dict:
+    """``OUT.report.json``: the settings, the records written (resumed + generated), skipped (by
+    reason, with their ``file:line``) and the generation's counters and rates."""
+    seconds = run.seconds
+    return {
         "output": str(out),
         "inputs": [str(f) for f in files],
         "target": str(target_folder),
         "settings": {
-            "engine": engine_name if not args.server else f"server {args.server}",
+            "engine": f"server {args.server}" if args.server else args.engine,
             "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size,
             "temperature": args.temperature,
@@ -174,31 +176,37 @@ def run_generate(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "limit": args.limit,
         },
-        "records_written": written,
-        "records_resumed": len(done),
-        "records_generated": generated,
-        "records_skipped": sum(len(v) for v in skipped.values()),
-        "skipped": {reason: {"count": len(srcs), "records": srcs} for reason, srcs in sorted(skipped.items())},
-        "assistant_turns": stats.turns,
-        "truncated_turns": stats.truncated_turns,
-        "new_tokens": stats.new_tokens,
+        "records_written": resumed + run.generated,
+        "records_resumed": resumed,
+        "records_generated": run.generated,
+        "records_skipped": sum(len(v) for v in run.skipped.values()),
+        "skipped": {reason: {"count": len(srcs), "records": srcs} for reason, srcs in sorted(run.skipped.items())},
+        "assistant_turns": run.stats.turns,
+        "truncated_turns": run.stats.truncated_turns,
+        "new_tokens": run.stats.new_tokens,
         "seconds": round(seconds, 3),
-        "records_per_second": round(generated / seconds, 3) if seconds > 0 else None,
-        "new_tokens_per_second": round(stats.new_tokens / seconds, 1) if seconds > 0 else None,
+        "records_per_second": round(run.generated / seconds, 3) if seconds > 0 else None,
+        "new_tokens_per_second": round(run.stats.new_tokens / seconds, 1) if seconds > 0 else None,
     }
-    # Report first, then the rename: once OUT exists, its report does too.
-    with _writing(partial):
-        atomic_write_json(report_path, report)
-        os.replace(partial, out)
-    print(
-        f"wrote {written} records to {out} ({len(done)} resumed, {generated} generated in {seconds:.1f} s, "
-        f"{report['records_per_second']} records/s, {stats.new_tokens} new tokens)"
-    )
-    for reason, srcs in sorted(skipped.items()):
-        shown = ", ".join(srcs[:3]) + (", ..." if len(srcs) > 3 else "")
-        print(f"skipped {len(srcs)}: {reason} ({shown})")
-    print(f"report: {report_path}")
-    return 0
+
+
+def _generator(args: argparse.Namespace, cfg: RunConfig):
+    """``(model, tokenizer, target folder, engine)``: the target loaded here on ``--device`` (engine
+    None), or a weightless stand-in for the engine that generates elsewhere (``--engine vllm``,
+    ``--server URL``)."""
+    if not args.server and args.engine == "transformers":
+        import torch
+
+        from ..model.loading import load_target
+
+        model, tokenizer, target_folder = load_target(cfg.target)
+        model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return model, tokenizer, target_folder, None
+    from ..serving.engines import ServerEngine, VllmEngine
+
+    model, tokenizer, target_folder = _engine_target(cfg.target.path)
+    engine = ServerEngine(args.server) if args.server else VllmEngine(target_folder, dtype=cfg.target.dtype)
+    return model, tokenizer, target_folder, engine
 
 
 def _engine_target(path: str | None):

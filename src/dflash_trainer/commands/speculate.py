@@ -5,7 +5,7 @@
                            [--temperature T] [--top-p P] [--seed S]
 
 Each prompt (the conversation up to its first assistant turn) is decoded greedily by the target alone
-and speculatively (``inference.speculative``); the outputs must agree token for token. With
+and speculatively (``inference.speculate_bench``); the outputs must agree token for token. With
 ``--temperature T > 0`` both sample instead (speculative sampling, ``inference.sampling``: lossless in
 distribution, so the outputs are not compared token for token; prompt i uses seed ``S + i``). Writes
 ``OUT`` (one record per prompt: text, tau per mode) and ``OUT.report.json`` (tau, tokens/s, speedup,
@@ -31,10 +31,8 @@ def run_speculate(args: argparse.Namespace) -> int:
     from ..export.layouts import drafter_meta, load_any_drafter
     from ..inference.prompts import chat_prompts
     from ..inference.regenerate import eos_ids
-    from ..inference.sampling import verification_policy
-    from ..inference.speculative import SpeculativeDecoder, target_greedy, target_sample
+    from ..inference.speculate_bench import speculate_bench
     from ..model.loading import load_target_model
-    from ..variants import block_span
 
     cfg = resolve_config(args)
     budgets = args.budget or [64]
@@ -61,78 +59,37 @@ def run_speculate(args: argparse.Namespace) -> int:
     prompts = chat_prompts(iter_records(args.input), tok, args.limit)
     if not prompts:
         raise UserError("no prompts: the input has no chat record with an assistant turn")
-    options = {}
-    if args.confidence_threshold > 0:
-        if not hasattr(drafter, "confidence_head"):
-            raise UserError(f"--confidence-threshold needs a drafter with a confidence head; {args.drafter} has none")
-        options["confidence_threshold"] = args.confidence_threshold
-    decoder = SpeculativeDecoder(target, drafter, eos, **options)
-    max_drafts = block_span(drafter.spec) - 1
-    modes = [("chain", None)] if args.mode == "chain" else [("ddtree", b) for b in budgets]
-    totals = {
-        name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "accepted": 0, "mismatches": 0, "drafted": 0}
-        for name in ["target"] + [m if b is None else f"{m}-{b}" for m, b in modes]
-    }
-    outputs = []
-    for i, (source, ids) in enumerate(prompts):
-        if sampling:
-            ref, secs = target_sample(model, ids, args.max_new_tokens, eos, args.temperature, args.top_p, args.seed + i)
-        else:
-            ref, secs = target_greedy(model, ids, args.max_new_tokens, eos)
-        totals["target"]["tokens"] += len(ref)
-        totals["target"]["seconds"] += secs
-        record = {"source": source, "target_tokens": len(ref), "text": tok.decode(ref, skip_special_tokens=True)}
-        for mode, budget in modes:
-            name = mode if budget is None else f"{mode}-{budget}"
-            policy = verification_policy(args.temperature, args.top_p, args.seed + i)
-            res = decoder.generate(ids, args.max_new_tokens, mode, budget=budget or 1, policy=policy)
-            t = totals[name]
-            t["tokens"] += len(res.tokens)
-            t["seconds"] += res.seconds
-            t["rounds"] += len(res.accepted)
-            t["accepted"] += sum(a + 1 for a in res.accepted)
-            t["drafted"] += sum(res.drafted)
-            t["mismatches"] += int(res.tokens != ref)
-            record[f"{name}_tau"] = res.tau
-            if sampling:
-                record[f"{name}_text"] = tok.decode(res.tokens, skip_special_tokens=True)
-        outputs.append(record)
-    base_rate = totals["target"]["tokens"] / totals["target"]["seconds"]
-    summary = {
-        "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "target_tokens_per_s": base_rate,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "modes": {},
-    }
+    if args.confidence_threshold > 0 and not hasattr(drafter, "confidence_head"):
+        raise UserError(f"--confidence-threshold needs a drafter with a confidence head; {args.drafter} has none")
+    bench = speculate_bench(
+        target,
+        drafter,
+        tok,
+        prompts,
+        eos,
+        mode=args.mode,
+        budgets=budgets,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        confidence_threshold=args.confidence_threshold,
+    )
+    summary = bench.summary
     how = f"sampling at T={args.temperature:g}, top-p {args.top_p:g}" if sampling else "greedy"
-    print(f"{len(prompts)} prompts, target-only {how}: {base_rate:.1f} tokens/s")
-    for name, t in totals.items():
-        if name == "target":
-            continue
-        rate = t["tokens"] / t["seconds"]
-        summary["modes"][name] = {
-            "tau": t["accepted"] / max(1, t["rounds"]),
-            "tokens_per_s": rate,
-            "speedup": rate / base_rate,
-            # sampled outputs are compared in distribution (tests), not token for token
-            "mismatches": None if sampling else t["mismatches"],
-            "drafts_per_round": t["drafted"] / max(1, t["rounds"]),
-        }
-        if name == "chain":  # the drafts a block stopped early by the confidence head did not send to the target
-            s_ = summary["modes"][name]
-            s_["target_tokens_saved"] = t["rounds"] * max_drafts - t["drafted"]
-        s = summary["modes"][name]
-        agreement = "" if sampling else f", outputs differing from target greedy: {t['mismatches']}"
+    print(f"{len(prompts)} prompts, target-only {how}: {summary['target_tokens_per_s']:.1f} tokens/s")
+    for name, s in summary["modes"].items():
+        agreement = "" if sampling else f", outputs differing from target greedy: {s['mismatches']}"
         saved = f", target tokens saved: {s['target_tokens_saved']}" if "target_tokens_saved" in s else ""
-        print(f"{name:>12}: tau {s['tau']:.2f}, {rate:.1f} tokens/s, speedup {s['speedup']:.2f}x{agreement}{saved}")
+        print(
+            f"{name:>12}: tau {s['tau']:.2f}, {s['tokens_per_s']:.1f} tokens/s, speedup {s['speedup']:.2f}x"
+            f"{agreement}{saved}"
+        )
     out = Path(args.output)
-    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in outputs))
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in bench.records))
     report = atomic_write_json(out.with_name(out.name + ".report.json"), summary)
     print(f"report: {report}")
-    return 1 if any(s["mismatches"] for s in summary["modes"].values()) else 0
+    return 1 if bench.mismatches else 0
 
 
 def add_speculate_parser(subparsers) -> argparse.ArgumentParser:

@@ -16,11 +16,12 @@ batched and unbatched logits are bit-identical (tested). In bfloat16 the batched
 differently (one ulp, about 0.06 at logit 14), which can flip an exact tie between two tokens;
 that is rounding, not padding, and it is inherent to low-precision batching.
 
-``commands/generate.py`` writes what this module yields resumably and atomically.
+``commands/generate.py`` writes what ``regenerate_into`` hands it resumably and atomically.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 
@@ -256,6 +257,65 @@ def regenerate_batches(
             yield flush(pending)
     finally:
         bar.close()
+
+
+@dataclass
+class Regeneration:
+    """What ``regenerate_into`` did: ``generated`` output records handed to the writer, ``skipped``
+    input records (reason -> their ``"file:line"``, in input order), the generation's counters and the
+    seconds it took."""
+
+    generated: int
+    skipped: dict[str, list[str]]
+    stats: GenerationStats
+    seconds: float
+
+
+def regenerate_into(
+    records: Iterable[Record | BadRecord],
+    model,
+    tokenizer,
+    write: Callable[[list[dict]], None],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+    total: int | None = None,
+    engine=None,
+) -> Regeneration:
+    """``regenerate_batches`` handed to a writer: ``write(output records)`` once per batch (the list may
+    be empty when every record of the batch was skipped), before the next batch is generated, so a
+    writer that flushes there loses at most the batch in flight. Skipped records are counted by reason."""
+    stats = GenerationStats()
+    skipped: dict[str, list[str]] = {}
+    generated = 0
+    start = time.perf_counter()
+    for batch in regenerate_batches(
+        records,
+        model,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        progress=progress,
+        total=total,
+        stats=stats,
+        engine=engine,
+    ):
+        written = []
+        for item in batch:
+            if isinstance(item, Skipped):
+                skipped.setdefault(item.reason, []).append(item.source)
+            else:
+                written.append(item)
+        write(written)
+        generated += len(written)
+    return Regeneration(generated, skipped, stats, time.perf_counter() - start)
 
 
 def regenerate_records(

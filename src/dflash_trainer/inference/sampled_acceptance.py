@@ -345,6 +345,50 @@ def measured_sampled_acceptance(
     }
 
 
+def sampled_report(
+    target,
+    drafter: DFlashDrafter,
+    rows: Sequence,
+    eos_ids: list[int],
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    budgets: Sequence[int] = (),
+    prompts: int = 8,
+    max_new_tokens: int = 128,
+    max_blocks_per_row: int = 64,
+    seed: int = 1234,
+    attention_backend: str = "dense",
+) -> dict:
+    """tau(T) both ways, chain and per DDTree budget: expected along the held-out ``rows``
+    (``expected_sampled_acceptance``) and measured by real speculative sampling from the first
+    ``prompts`` documents' prompts (``measured_sampled_acceptance``). Returns ``{"temperature",
+    "top_p", "expected", "measured"}``, the ``sampling`` section of ``dflash-train eval``'s report."""
+    expected = expected_sampled_acceptance(
+        target,
+        drafter,
+        rows,
+        temperature=temperature,
+        top_p=top_p,
+        budgets=budgets,
+        max_blocks_per_row=max_blocks_per_row,
+        seed=seed,
+        attention_backend=attention_backend,
+    )
+    measured = measured_sampled_acceptance(
+        target,
+        drafter,
+        document_prompts(rows, prompts),
+        eos_ids,
+        temperature=temperature,
+        top_p=top_p,
+        budgets=budgets,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    return {"temperature": temperature, "top_p": top_p, "expected": expected, "measured": measured}
+
+
 def chain_tau_both_ways(
     target,
     drafter: DFlashDrafter,
@@ -360,26 +404,21 @@ def chain_tau_both_ways(
 ) -> dict:
     """Chain tau(T) expected along ``rows`` and measured from the first ``prompts`` documents' prompts:
     ``{"expected", "measured", "measured_stderr", "rounds"}`` (the demo's summary line)."""
-    expected = expected_sampled_acceptance(
+    report = sampled_report(
         target,
         drafter,
         rows,
+        eos_ids,
         temperature=temperature,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
         max_blocks_per_row=max_blocks_per_row,
         seed=seed,
         attention_backend=attention_backend,
     )
-    measured = measured_sampled_acceptance(
-        target,
-        drafter,
-        document_prompts(rows, prompts),
-        eos_ids,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-    )["chain"]
+    measured = report["measured"]["chain"]
     return {
-        "expected": expected["tau"],
+        "expected": report["expected"]["tau"],
         "measured": measured["tau"],
         "measured_stderr": measured["stderr"],
         "rounds": measured["rounds"],
