@@ -1,6 +1,6 @@
 """The head's logits at a few candidate ids per row, with a gradient to the hidden states (DFlash2).
 
-DFlash2's selector re-scores each row's K best unary candidates (``fused_draft_loss(top_k=K)`` gives
+DFlash2's selector re-scores each row's K best unary candidates (``LossTerms(top_k=K)`` in the fused loss gives
 their ids): it needs ``z[i, k] = transform(h_i . W[ids[i, k]])`` ``[N, K]`` and its gradient w.r.t.
 ``h``, the head frozen. Plain autograd through ``W[ids]`` would keep the gathered rows ``[N, K, H]``
 for the backward (K = 16, H = 4,096: 64K floats per row, more than the hidden state itself by K).

@@ -3,7 +3,7 @@
 Slot 0 is the known anchor token and never has loss. The fixed decay of DFlash,
 ``w_k = exp(-(k-1)/gamma)`` for k >= 1, is ``loss.position_weights: exp_decay``. D-PACE
 (``loss.position_weights: dpace``) replaces these weights by a per-row block credit computed inside
-the fused loss from the student's detached label probabilities (``fused_draft_loss``'s ``dpace``).
+the fused loss from the student's detached label probabilities (``LossTerms.credit``, ``BlockCredit("label_prob")``).
 """
 
 from __future__ import annotations
