@@ -42,7 +42,7 @@ def phase(name: str) -> record_function:
 def needs_teacher(cfg: RunConfig) -> bool:
     """The loss reads the teacher's hidden states (soft KL, teacher-argmax labels, or a term of the
     drafter variant's that needs them)."""
-    if cfg.loss.kl_weight > 0 or cfg.loss.labels == "teacher" or cfg.loss.tv_weight > 0:
+    if loss_terms(cfg, {}).needs_teacher:
         return True
     return variant_of(cfg.drafter.variant).needs_teacher(cfg.drafter.variant_settings.model_dump())
 
@@ -155,9 +155,6 @@ def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, refe
     teacher = batch.teacher.to(head.dtype) if batch.teacher is not None else None
     terms = loss_terms(cfg, drafter.spec.logit_options)
     options = {"chunk_size": cfg.loss.chunk_size}
-    if terms.credit is not None:  # the block credit replaces the slot weights (which keep the rows)
-        rows = batch.hidden.shape[0]
-        options["block_ids"] = torch.arange(rows, device=batch.hidden.device) // drafter.spec.block_size
     with phase("loss"):
         return variant_of(drafter.spec).loss(drafter, hidden, teacher, head, batch, terms, options, reference=reference)
 

@@ -106,16 +106,19 @@ class Variant:
     ):
         """``(loss, metrics)`` of one row's blocks. ``hidden``/``teacher`` ``[N, H]`` and ``head`` ``[V, H]`` in
         the loss's dtype; ``terms`` the run's loss terms (``loss.LossTerms``), which a variant extends;
-        ``options`` the call's other keywords of ``fused_draft_loss`` (``chunk_size``, ``block_ids``)."""
+        ``options`` the call's other keywords of ``fused_draft_loss`` (``chunk_size``)."""
         return self.draft_loss(drafter, hidden, teacher, head, batch, terms, options, reference=reference)
 
     @staticmethod
     def draft_loss(drafter, hidden, teacher, head, batch, terms: LossTerms, options: dict, *, reference: bool, **data):
         """The fused draft loss (or its plain reference) of ``batch``'s rows with ``terms``, ``options`` and a
-        variant's ``data`` keywords of ``fused_draft_loss`` (DSpark's low-rank bias and block ids)."""
+        variant's ``data`` keywords of ``fused_draft_loss`` (DSpark's low-rank bias). A block credit
+        (``terms.credit``: D-PACE, D-PARD) gets the rows' block ids here, for whichever terms set it."""
         weights = batch.weights.to(head.dtype)
         data = {**options, **data}
         chunk_size = data.pop("chunk_size", None)
+        if terms.credit is not None:  # the credit replaces the slot weights (which keep the rows)
+            data["block_ids"] = torch.arange(hidden.shape[0], device=hidden.device) // drafter.spec.block_size
         if reference:
             return reference_draft_loss(hidden, teacher, head, batch.labels, weights, terms, **data)
         return fused_draft_loss(

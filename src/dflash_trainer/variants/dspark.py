@@ -216,7 +216,6 @@ class DSparkVariant(Variant):
             reference=reference,
             bias_rows=feat.to(head.dtype),
             bias_weight=drafter.markov_head.markov_w2.weight.to(head.dtype),
-            **({"block_ids": torch.arange(hidden.shape[0], device=hidden.device) // b} if dpard else {}),
         )
         if conf is not None:
             # BCE against the measured acceptance, detached, on the fixed slot weights (as speculators:
