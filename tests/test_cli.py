@@ -58,3 +58,21 @@ def test_presets_and_keys_listing():
     }
     keys = run_cli("config", "--keys").stdout.split()
     assert "train.lr" in keys and "drafter.block_size" in keys and "train" not in keys
+
+
+def test_a_command_imports_only_its_own_module():
+    """``dflash-train config ...`` answers without importing torch (the other commands' modules import
+    it), and ``--help`` still lists every command."""
+    probe = (
+        "import sys; from dflash_trainer.cli import main; code = main(['config', '--set', 'train.lr=0.1']); "
+        "print('torch' in sys.modules, code)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False 0"
+    helped = run_cli("--help")
+    assert helped.returncode == 0
+    for command in ("demo", "train", "prepare-data", "capture", "generate", "speculate", "eval", "plan", "export"):
+        assert f"\n    {command} " in helped.stdout or f"\n    {command}\n" in helped.stdout, helped.stdout
+    unknown = run_cli("trian")
+    assert unknown.returncode == 2 and "invalid choice: 'trian'" in unknown.stderr

@@ -1,6 +1,5 @@
 """The memory planner: its formulas against the real objects and real CPU steps, the seed's case, the CLI."""
 
-import argparse
 import importlib.util
 import io
 import json
@@ -14,7 +13,6 @@ import torch
 from planner_measure import allocator_peak, measure_in_subprocess, predict_case
 
 from dflash_trainer import cli
-from dflash_trainer.commands.plan import add_plan_parser
 from dflash_trainer.config import load_config
 from dflash_trainer.errors import UserError
 from dflash_trainer.loss import LossTerms, PairTerm, fused_draft_loss
@@ -252,17 +250,7 @@ def test_planner_follows_the_config():
 
 
 def run_cli(monkeypatch, capsys, *argv):
-    """``dflash_trainer.cli.main`` with the plan sub-command registered (whether or not cli.py wires it yet)."""
-    original = cli.build_parser
-
-    def with_plan():
-        parser = original()
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        if "plan" not in sub.choices:
-            add_plan_parser(sub)
-        return parser
-
-    monkeypatch.setattr(cli, "build_parser", with_plan)
+    """``dflash-train plan ARGV`` through ``dflash_trainer.cli.main``: (exit status, stdout, stderr)."""
     code = cli.main(["plan", *argv])
     out = capsys.readouterr()
     return code, out.out, out.err

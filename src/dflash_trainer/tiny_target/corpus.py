@@ -12,7 +12,9 @@ Files under ``site-packages`` (third-party code) and files larger than ``MAX_FIL
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +41,22 @@ def is_held_out(relpath: str) -> bool:
 
 def iter_stdlib_files(root: Path | None = None) -> list[Path]:
     """All candidate ``.py`` files under ``root``, sorted by relative path (deterministic order)."""
-    root = root or stdlib_root()
+    return list(_stdlib_files(root or stdlib_root()))
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_files(root: Path) -> tuple[Path, ...]:
+    # os.walk, pruning site-packages and __pycache__ before descending into them (a Path.rglob of the
+    # whole tree visited every installed package: 0.35 s against 0.03 s here, per call, and the tests
+    # call it about a hundred times); symbolic links to folders are not followed, as rglob's ** does not
     files = []
-    for path in root.rglob("*.py"):
-        rel_parts = path.relative_to(root).parts
-        if "site-packages" in rel_parts or "__pycache__" in rel_parts:
-            continue
-        if path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "__pycache__")]
+        for name in names:
+            path = Path(folder) / name
+            if name.endswith(".py") and path.stat().st_size <= MAX_FILE_BYTES:
+                files.append(path)
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def load_split(split: str, root: Path | None = None, limit: int | None = None) -> list[SourceFile]:
