@@ -249,18 +249,18 @@ def test_planner_follows_the_config():
 # -- command line --------------------------------------------------------------------------------
 
 
-def run_cli(monkeypatch, capsys, *argv):
+def run_cli(capsys, *argv):
     """``dflash-train plan ARGV`` through ``dflash_trainer.cli.main``: (exit status, stdout, stderr)."""
     code = cli.main(["plan", *argv])
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
-def test_plan_command_text_and_json(monkeypatch, capsys):
-    code, out, _ = run_cli(monkeypatch, capsys, "--config", "ddtree-experiment")
+def test_plan_command_text_and_json(capsys):
+    code, out, _ = run_cli(capsys, "--config", "ddtree-experiment")
     assert code == 0
     assert "target GPU (x7)" in out and "drafter GPU" in out and "verdict: FITS" in out
-    code, out, _ = run_cli(monkeypatch, capsys, "--config", "ddtree-experiment", "--json")
+    code, out, _ = run_cli(capsys, "--config", "ddtree-experiment", "--json")
     data = json.loads(out)
     assert data["fits"] and data["workload"]["activation_checkpointing"]
     drafter = data["devices"][-1]
@@ -268,7 +268,6 @@ def test_plan_command_text_and_json(monkeypatch, capsys):
     peak_items = sum(i["bytes"] for i in drafter["items"] if i["at_peak"])
     assert peak_items == drafter["tensor_peak_bytes"]
     code, out, _ = run_cli(
-        monkeypatch,
         capsys,
         "--target",
         "qwen3-8b",
@@ -297,15 +296,15 @@ def test_plan_command_text_and_json(monkeypatch, capsys):
         (["--set", "target.path=null"], "no target to plan for"),
     ],
 )
-def test_bad_input_is_one_clear_line(monkeypatch, capsys, argv, needle):
-    code, _, err = run_cli(monkeypatch, capsys, *argv)
+def test_bad_input_is_one_clear_line(capsys, argv, needle):
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1 and needle in err, err
 
 
-def test_bad_config_json_names_the_field(tmp_path, monkeypatch, capsys):
+def test_bad_config_json_names_the_field(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "vocab_size": 100}))
-    code, _, err = run_cli(monkeypatch, capsys, "--target", str(tmp_path))
+    code, _, err = run_cli(capsys, "--target", str(tmp_path))
     assert code == 2 and "'hidden_size'" in err and err.count("\n") == 1
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -318,7 +317,7 @@ def test_bad_config_json_names_the_field(tmp_path, monkeypatch, capsys):
             }
         )
     )
-    code, _, err = run_cli(monkeypatch, capsys, "--target", str(tmp_path / "config.json"))
+    code, _, err = run_cli(capsys, "--target", str(tmp_path / "config.json"))
     assert code == 2 and "'hidden_size' must be a positive integer" in err
     with pytest.raises(UserError, match="unknown GPU"):
         gpu_memory("tpu")
