@@ -878,3 +878,83 @@ def test_counts_below_one_are_refused_before_any_work(args):
     option = args[-2]
     assert status == 2 and f"argument {option}: must be >= 1" in err, err
     assert "Traceback" not in err and out == ""
+
+
+# ---------------------------------------------------------------- one folder kind named where another is expected
+
+
+def test_prepare_data_out_naming_a_feature_cache_is_refused_and_the_cache_kept(features, tmp_path):
+    """A feature cache has a manifest.json too: ``prepare-data --out`` replaced such a folder with the
+    prepared data (exit 0), deleting the cache (capture.json and every shard); it is refused, and kept."""
+    cache = tmp_path / "f"
+    shutil.copytree(features, cache)
+    before = sorted(p.relative_to(cache) for p in cache.rglob("*"))
+    (tmp_path / "d.jsonl").write_text(chats(4))
+    code, _, err = cli(
+        "prepare-data", "--config", "tiny-demo", "--set", f"data.train_files=[{tmp_path / 'd.jsonl'}]",
+        "--out", str(cache), process=False,
+    )  # fmt: skip
+    assert code == 2 and f"--out {cache} exists and is not prepared data (it holds a feature cache)" in one_error_line(
+        err
+    )
+    assert sorted(p.relative_to(cache) for p in cache.rglob("*")) == before
+    code, _, err = cli("capture", "--verify", str(cache), "--no-progress", process=False)
+    assert code == 0, err
+
+
+def test_data_prepared_naming_a_feature_cache_says_what_it_is(features, prepared, tmp_path):
+    """The other way round too: each folder kind is named, with the setting that reads it."""
+    (tmp_path / "d.jsonl").write_text(chats(4))
+    code, _, err = cli(
+        "train", "--config", "tiny-demo", "--no-progress", "--set", f"data.train_files=[{tmp_path / 'd.jsonl'}]",
+        "--set", f"data.prepared={features}", "--set", f"output_dir={tmp_path / 'run'}", process=False,
+    )  # fmt: skip
+    assert code == 2
+    assert f"{features} is a feature cache (dflash-train capture), not prepared data: train from it with --set " in (
+        one_error_line(err)
+    )
+    code, _, err = cli("capture", "--verify", str(prepared), "--no-progress", process=False)
+    assert code == 2 and f"{prepared} holds no feature cache (no capture.json)" in one_error_line(err)
+
+
+@pytest.mark.parametrize("kind", ["run folder", "export", "empty"])
+def test_resume_naming_a_folder_that_is_no_checkpoint_says_so(checkpoint, tmp_path, kind):
+    """``--resume PATH`` on a folder with none of a checkpoint's files used to blame an incomplete write
+    ("no checksums.json (incomplete write)"); a torn checkpoint still gets that line."""
+    ckpt, data = checkpoint
+    folder = tmp_path / kind.replace(" ", "-")
+    folder.mkdir()
+    if kind == "run folder":  # the run's own folder: run.yaml and checkpoints/ in it
+        shutil.copy(ckpt / "run.yaml", folder / "run.yaml")
+        (folder / "checkpoints").mkdir()
+    elif kind == "export":
+        (folder / "config.json").write_text("{}")
+    args = ["train", "--config", "tiny-demo", "--no-progress", "--set", f"data.train_files=[{data}]"]
+    args += ["--set", "data.seq_len=48", "--set", f"output_dir={tmp_path / 'out'}", "--resume", str(folder)]
+    code, _, err = cli(*args, env={"DFLASH_DATA_CACHE": str(ckpt.parents[3] / "cache")}, process=False)
+    line = one_error_line(err)
+    assert code == 2 and f"--resume {folder} is not a training checkpoint: none of checksums.json" in line
+    assert ("its checkpoints are under checkpoints/" in line) == (kind == "run folder")
+    torn = tmp_path / "torn"
+    shutil.copytree(ckpt, torn)
+    (torn / "checksums.json").unlink()
+    code, _, err = cli(*args[:-1], str(torn), env={"DFLASH_DATA_CACHE": str(ckpt.parents[3] / "cache")}, process=False)
+    assert code == 2 and f"checkpoint {torn} cannot be resumed: no checksums.json (incomplete write)" in one_error_line(
+        err
+    )
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000/v1", "ftp://127.0.0.1:21", "http://"])
+def test_a_server_url_that_is_no_http_url_is_named_as_such(tmp_path, url):
+    """``--server 127.0.0.1:8000`` (no scheme) was "cannot reach the server ...: unknown url type": the
+    server was never asked; the URL is what is wrong."""
+    code, _, err = generate(tmp_path, "--server", url, process=False)
+    assert code == 2 and f"--server {url} is not an http(s) URL: write it as http://HOST:PORT" in one_error_line(err)
+
+
+def test_export_check_of_a_checkpoint_says_it_is_no_export(checkpoint):
+    """``export --check`` takes an export; on this project's own checkpoint it said "is not a drafter
+    folder (no config.json)", though it is one: the line says what to do."""
+    ckpt, _ = checkpoint
+    code, _, err = cli("export", "--check", str(ckpt), process=False)
+    assert code == 2 and f"{ckpt} is a dflash-trainer checkpoint, not an export: export it first" in one_error_line(err)

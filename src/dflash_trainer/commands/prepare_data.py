@@ -46,7 +46,7 @@ def run_prepare_data(args: argparse.Namespace) -> int:
     from ..data.documents import check_report
     from ..data.prepare import ensure_prepared, prepare_data, request_for
     from ..data.records import expand_paths
-    from ..data.storage import PreparedData
+    from ..data.storage import PreparedData, holds_prepared_data
     from ..model.loading import load_target_config
 
     if args.verify:
@@ -63,8 +63,10 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise UserError(f"--out {out} is a file, not a folder: choose an empty or new folder")
-        if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
-            raise UserError(f"--out {out} exists and is not prepared data: choose an empty or new folder")
+        # replaced only when it holds prepared data: a feature cache also has a manifest.json
+        if out.exists() and any(out.iterdir()) and not holds_prepared_data(out):
+            kind = " (it holds a feature cache)" if (out / "capture.json").is_file() else ""
+            raise UserError(f"--out {out} exists and is not prepared data{kind}: choose an empty or new folder")
         data = PreparedData(prepare_data(request, tokenizer, out, num_workers=cfg.data.num_workers))
     else:
         data = ensure_prepared(request, tokenizer, root=cfg.data.cache_dir, num_workers=cfg.data.num_workers)

@@ -106,6 +106,16 @@ class _Manifest(JsonRecord):
     files: dict[str, _File]
 
 
+def holds_prepared_data(folder: Path) -> bool:
+    """Whether ``folder`` has a prepared-data manifest of this project's (any version; its contents
+    unchecked): what ``prepare-data --out`` may replace."""
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
 def _read_manifest(folder: Path) -> dict:
     path = folder / "manifest.json"
     if not path.is_file():
@@ -115,6 +125,11 @@ def _read_manifest(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise StorageError(f"{path} is unreadable or corrupt: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        if (folder / "capture.json").is_file():
+            raise StorageError(
+                f"{folder} is a feature cache (dflash-train capture), not prepared data: train from it with "
+                f"--set data.features={folder}"
+            )
         raise StorageError(f"{path} is not a dflash-trainer prepared-data manifest")
     if manifest.get("version") != VERSION:
         raise StorageError(

@@ -305,6 +305,11 @@ def read_drafter_folder(folder: Path) -> DrafterFolder:
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
+        if (folder / "drafter_config.json").is_file():
+            raise UserError(
+                f"{folder} is a dflash-trainer checkpoint, not an export: export it first "
+                f"(dflash-train export --format speculators|zlab {folder} OUT), then check OUT"
+            )
         raise UserError(f"{folder} is not a drafter folder (no config.json)")
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,6 +80,9 @@ class ServerEngine:
     (the server batches them)."""
 
     def __init__(self, url: str, model: str | None = None, timeout: float = COMPLETION_TIMEOUT):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UserError(f"--server {url} is not an http(s) URL: write it as http://HOST:PORT")
         self.url = url.rstrip("/")
         self.timeout = timeout
         served = self._served_model()  # always: a server that does not answer is named at once

@@ -226,6 +226,16 @@ def resume_checkpoint(out_dir: Path, resume: str | None, overwrite: bool) -> Pat
         path = Path(resume).expanduser()
         if not path.is_dir():
             raise UserError(f"checkpoint {resume} does not exist (or is not a folder)")
+        # none of a checkpoint's own files (a run's folder has run.yaml too): no torn write, no checkpoint
+        own = (CHECKSUMS, WEIGHTS, CONFIG, STATE_FILE)
+        if not any((path / name).exists() for name in own):
+            hint = (
+                " (a run's folder: its checkpoints are under checkpoints/)" if (path / "checkpoints").is_dir() else ""
+            )
+            raise UserError(
+                f"--resume {path} is not a training checkpoint: none of {', '.join(own)}{hint}; "
+                "name a checkpoints/step-N folder, or --resume auto"
+            )
         problem = verify_checkpoint(path)
         if problem:
             raise UserError(f"checkpoint {path} cannot be resumed: {problem}")
