@@ -45,7 +45,7 @@ test: $(VENV)/.installed-test $(VENV)/.triton
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	DFLASH_TEST_CPU_REPORT=$(VENV)/test-cpu.jsonl $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

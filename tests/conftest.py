@@ -73,19 +73,31 @@ def _native_kernel_build(request, monkeypatch):
 # Longest files first. ``--dist loadfile`` hands each worker whole files in collection order (alphabetical)
 # as it frees up, so a long file collected late (test_speculative.py, test_vllm_serving.py) ran while the
 # other workers had nothing left: the longest-first order keeps every worker busy to the end. The order
-# changes only when a file runs, never what it checks. Measured with ``--durations=0`` on 2026-12-04
-# (2 cores, 3 workers): the ten files below were 1,423 of the suite's 2,175 worker-seconds.
+# changes only when a file runs, never what it checks. Ranked by tests/cpu_report.py on 2026-12-06 (2 cores,
+# 3 workers; CPU seconds with their subprocesses'): the twelve files below were 1,075 of the 1,424 CPU
+# seconds the tests themselves cost.
 LONGEST_FILES = (
     "test_speculative.py",
     "test_vllm_serving.py",
-    "test_hardening_surfaces.py",
-    "test_dflash2_trained.py",
     "test_offline.py",
+    "test_distributed.py",
+    "test_dflash2_trained.py",
     "test_dspark_sampling.py",
-    "test_foreign_drafters.py",
-    "test_generate_vllm.py",
-    "test_dspark.py",
+    "test_hardening_surfaces.py",
     "test_loss_triton.py",
+    "test_foreign_drafters.py",
+    "test_eval.py",
+    "test_dspark.py",
+    "test_generate_vllm.py",
+)
+
+
+# DFLASH_TEST_CPU_REPORT=FILE: each test's CPU seconds, its own and its subprocesses' (tests/cpu_report.py);
+# ``make test`` sets it and prints the files and tests that cost most.
+from cpu_report import (  # noqa: E402, F401
+    pytest_runtest_protocol,
+    pytest_sessionstart,
+    pytest_terminal_summary,
 )
 
 
