@@ -1,9 +1,15 @@
 """Offline training: ``dflash-train capture`` writes the target's features once, ``train --set
-data.features=DIR`` trains from them with no target body. Real processes on the tiny target (one
-thread each, as the distributed tests): an offline run equals the online run of the same config bit
-for bit (fp32 and bf16 storage), resumes, and runs data-parallel under torchrun; a capture is the same
-with one or two ranks and continues after a SIGKILL; FP8 halves bf16; a cache that does not match the
-run, or is truncated, corrupt or unfinished, is refused with one line; the body's tensors are never read."""
+data.features=DIR`` trains from them with no target body. On the tiny target, one thread each, as the
+distributed tests: an offline run equals the online run of the same config bit for bit (fp32 and bf16
+storage), resumes, and runs data-parallel under torchrun; a capture is the same with one or two ranks
+and continues after a SIGKILL; FP8 halves bf16; a cache that does not match the run, or is truncated,
+corrupt or unfinished, is refused with one line; the body's tensors are never read.
+
+The one-process captures and runs call ``cli.main`` in the test's process (``in_process``: what the
+console script calls), at one thread as the processes run: a process start and the import of torch and
+transformers (about 3 s of CPU each) bought nothing where no process boundary is checked. torchrun
+launches, the killed capture, and the online run every offline run is compared with
+(``single_process_run``) stay real processes."""
 
 import json
 import os
@@ -15,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import in_process
 from safetensors.torch import load_file, save_file
 from test_distributed import SMALL as DIST_SMALL
 from test_distributed import _env, assert_same_losses, cli_command, losses, run, single_process_run
@@ -26,18 +33,42 @@ from dflash_trainer.model.loading import load_target_head, resolve_target_path
 ONE_ROW_PER_SHARD = "capture.shard_bytes=1"
 
 
-def capture_cmd(out: Path, data: Path, nproc: int, *extra: str) -> list[str]:
+def capture_args(out: Path, data: Path, *extra: str) -> list[str]:
     args = ["capture", "--config", "tiny-demo", "--no-progress", "--out", str(out)]
     for item in [*DIST_SMALL, f"data.train_files=[{data}]", ONE_ROW_PER_SHARD, *extra]:
         args += ["--set", item]
-    return cli_command(nproc, args)
+    return args
+
+
+def capture_cmd(out: Path, data: Path, nproc: int, *extra: str) -> list[str]:
+    return cli_command(nproc, capture_args(out, data, *extra))
+
+
+def one_thread(*args: str) -> subprocess.CompletedProcess:
+    """``dflash-train ARGS`` in this process at one thread (the processes' ``OMP_NUM_THREADS=1``: the runs
+    compared bit for bit must sum in the same order), the thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return in_process(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def capture(out: Path, data: Path, nproc: int = 1, *extra: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
+    if nproc == 1:
+        return one_thread(*capture_args(out, data, *extra))
+    return subprocess.run(
         capture_cmd(out, data, nproc, *extra), capture_output=True, text=True, env=_env(), timeout=300
     )
-    return result
+
+
+def train(out: Path, data: Path, *extra: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """test_distributed.py's one-process ``run`` of SMALL, in this process."""
+    args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
+    for item in [*DIST_SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
+        args += ["--set", item]
+    return one_thread(*args)
 
 
 def refused(capsys, out: Path, data: Path, *extra: str, command: str = "train") -> str:
@@ -87,7 +118,7 @@ def cache(data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(cache, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("offline-run") / "run"
-    result = run(out, data, 1, f"data.features={cache}")
+    result = train(out, data, f"data.features={cache}")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -128,7 +159,7 @@ def test_offline_run_resumes_with_the_uninterrupted_losses(offline, cache, data,
     shutil.copytree(offline, out)
     for step in ("step-0000004", "step-0000006"):  # as if killed after step 2's checkpoint
         shutil.rmtree(out / "checkpoints" / step)
-    result = run(out, data, 1, f"data.features={cache}", flags=("--resume", "auto"))
+    result = train(out, data, f"data.features={cache}", flags=("--resume", "auto"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "step 2" in result.stdout
     assert losses(out) == losses(offline)
@@ -179,13 +210,13 @@ def test_killed_capture_continues_where_it_stopped(cache, data, tmp_path, capsys
 def test_bf16_target_with_bf16_storage_is_bit_identical(data, tmp_path):
     bf16 = ["target.dtype=bfloat16", "train.max_steps=3", "train.eval_every=3"]
     online = tmp_path / "online"
-    assert run(online, data, 1, *bf16).returncode == 0
+    assert train(online, data, *bf16).returncode == 0
     cache = tmp_path / "features"
     result = capture(cache, data, 1, *bf16)  # capture.dtype null = the target's: bfloat16
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((cache / "manifest.json").read_text())["settings"]["storage_dtype"] == "bfloat16"
     offline = tmp_path / "offline"
-    result = run(offline, data, 1, *bf16, f"data.features={cache}")
+    result = train(offline, data, *bf16, f"data.features={cache}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(online) == losses(offline) and eval_taus(online) == eval_taus(offline)
 
@@ -203,7 +234,7 @@ def test_fp8_cache_is_half_of_bf16_and_trains_within_a_bound(online, cache, data
     # per token: ids/positions/mask (9 bytes) + features at 2 bytes vs 1 byte + a 4-byte scale per tensor
     assert 0.49 < sizes["float8_e4m3"] / sizes["bfloat16"] < 0.51
     out = tmp_path / "run"
-    result = run(out, data, 1, f"data.features={tmp_path / 'float8_e4m3'}")
+    result = train(out, data, f"data.features={tmp_path / 'float8_e4m3'}")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = losses(online), losses(out)
     assert a.keys() == b.keys() and a != b  # FP8 rounds the features: close, not equal
@@ -237,7 +268,7 @@ def test_a_cache_without_the_teacher_is_refused_when_the_loss_needs_it(data, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     line = refused(capsys, tmp_path / "run", data, f"data.features={cache}")  # loss.kl_weight=0.15
     assert "the loss needs the teacher" in line
-    ok = run(tmp_path / "run", data, 1, f"data.features={cache}", "loss.kl_weight=0", "train.max_steps=2")
+    ok = train(tmp_path / "run", data, f"data.features={cache}", "loss.kl_weight=0", "train.max_steps=2")
     assert ok.returncode == 0, ok.stderr[-3000:]
 
 
@@ -285,7 +316,7 @@ def test_training_from_the_cache_never_reads_the_target_body(offline, cache, dat
     target, _, read = load_target_head(TargetConfig(path=str(stripped), dtype="float32"))
     assert read == ["model.embed_tokens.weight"] and len(target.layers) == 0 and target.num_layers == 8
     out = tmp_path / "run"
-    result = run(out, data, 1, f"data.features={cache}", f"target.path={stripped}")
+    result = train(out, data, f"data.features={cache}", f"target.path={stripped}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(out) == losses(offline)
 
