@@ -78,15 +78,20 @@ def cli_command(nproc: int, args: list[str]) -> list[str]:
     ]
 
 
+def train_args(out: Path, data: Path, *extra: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """``dflash-train`` arguments of a SMALL training run on ``data`` into ``out``."""
+    args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
+    for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
+        args += ["--set", item]
+    return args
+
+
 def launch(
     out: Path, data: Path, nproc: int, *extra: str, flags: tuple[str, ...] = (), debug: str = "DETAIL"
 ) -> subprocess.Popen:
     """``torchrun --nproc-per-node N -m dflash_trainer.cli train ...`` (or one plain process for N = 1)."""
-    args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
-    for item in [*SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
-        args += ["--set", item]
     return subprocess.Popen(
-        cli_command(nproc, args),
+        cli_command(nproc, train_args(out, data, *extra, flags=flags)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,7 +24,7 @@ import torch
 from cli_runs import in_process
 from safetensors.torch import load_file, save_file
 from test_distributed import SMALL as DIST_SMALL
-from test_distributed import _env, assert_same_losses, cli_command, losses, run, single_process_run
+from test_distributed import _env, assert_same_losses, cli_command, losses, run, single_process_run, train_args
 
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.features.codec import decode, encode
@@ -65,10 +65,7 @@ def capture(out: Path, data: Path, nproc: int = 1, *extra: str) -> subprocess.Co
 
 def train(out: Path, data: Path, *extra: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """test_distributed.py's one-process ``run`` of SMALL, in this process."""
-    args = ["train", "--config", "tiny-demo", "--no-progress", *flags]
-    for item in [*DIST_SMALL, f"data.train_files=[{data}]", f"output_dir={out}", *extra]:
-        args += ["--set", item]
-    return one_thread(*args)
+    return one_thread(*train_args(out, data, *extra, flags=flags))
 
 
 def refused(capsys, out: Path, data: Path, *extra: str, command: str = "train") -> str:
