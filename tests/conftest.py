@@ -87,6 +87,7 @@ LONGEST_FILES = (
     "test_loss_triton.py",
     "test_foreign_drafters.py",
     "test_eval.py",
+    "test_variant_contract.py",
     "test_dspark.py",
     "test_generate_vllm.py",
 )

@@ -1,4 +1,4 @@
-"""DFlash2 on the shared backbone (variants/dflash2.py): the local convolutions (identity at init, no
+"""DFlash2 on the shared backbone (variants/dflash2/): the local convolutions (identity at init, no
 leak across blocks in either attention backend, training layout == serving layout), the selector
 walk at inference against a plain per-slot reference, and the DDTree over the selector's scores."""
 
@@ -19,7 +19,8 @@ from dflash_trainer.loss import LossTerms
 from dflash_trainer.loss.logits import transform_logits
 from dflash_trainer.model.drafter import DrafterSpec
 from dflash_trainer.variants import make_drafter, variant_of
-from dflash_trainer.variants.dflash2 import grouped_dynamic_conv, selector_training_candidates
+from dflash_trainer.variants.dflash2.modules import grouped_dynamic_conv
+from dflash_trainer.variants.dflash2.objective import selector_training_candidates
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 F64 = torch.float64
@@ -211,7 +212,7 @@ def test_bad_settings_are_one_line_errors(small_target):
 @pytest.mark.parametrize("kernel", [1, 2, 3])
 def test_the_lean_convolution_equals_autograd_through_the_formula(kernel):
     """``_LeanConv`` (inputs saved, taps recomputed in backward) against autograd of the plain formula."""
-    from dflash_trainer.variants.dflash2 import _LeanConv
+    from dflash_trainer.variants.dflash2.modules import _LeanConv
 
     g = torch.Generator().manual_seed(kernel)
     x = torch.randn(3 * B, 8, generator=g, dtype=F64, requires_grad=True)

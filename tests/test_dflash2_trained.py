@@ -128,5 +128,6 @@ def test_planner_prices_the_real_drafters_parameters(trained):
     plain = workload_from_config(load_config(["tiny-demo"], []))
     layer = F.layer_saved(dims, w, "cpu", first=False)
     assert layer["local convolutions"] > 0 and "local convolutions" not in F.layer_saved(dims, plain, "cpu", False)
-    assert F.selector_bytes(w) > 0 == F.selector_bytes(plain)
+    assert F.variant_loss_items(w, dims)["candidate selector (top-K rows)"] > 0
+    assert F.variant_loss_items(plain, dims) == {}
     assert variant_of(spec).name == "dflash2"

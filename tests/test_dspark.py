@@ -1,4 +1,4 @@
-"""DSpark on the shared backbone (variants/dspark.py): the slot -> token mapping, the heads, the
+"""DSpark on the shared backbone (variants/dspark/): the slot -> token mapping, the heads, the
 training step against the plain reference, training end to end, the Markov walk at inference and
 lossless greedy decoding."""
 
@@ -16,7 +16,7 @@ from dflash_trainer.training.setup import prepare
 from dflash_trainer.training.step import drafter_step, needs_teacher, produce_row_features
 from dflash_trainer.training.trainer import Trainer
 from dflash_trainer.variants import block_span, variant_of
-from dflash_trainer.variants.dspark import MarkovHead
+from dflash_trainer.variants.dspark.modules import MarkovHead
 
 
 def dspark_config(tmp_path, data, *extra):

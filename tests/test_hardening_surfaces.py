@@ -695,7 +695,7 @@ def test_dflash2_selector_codebook_gradients_are_the_same_on_every_run_at_two_th
     F.embedding, whose backward is deterministic."""
     import torch
 
-    from dflash_trainer.variants.dflash2 import CandidateSelector
+    from dflash_trainer.variants.dflash2.modules import CandidateSelector
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

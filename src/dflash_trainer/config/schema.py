@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from ..errors import UserError
 from .gpus import gpu_memory
-from .variants import DFlash2Settings, DSparkSettings, VariantSettings
+from .variants import VariantSettings
 
 TINY_TARGET = "tiny"  # value of target.path that selects the embedded tiny target
 
@@ -85,13 +86,12 @@ class RopeScalingConfig(Section):
 class DrafterConfig(Section):
     """The DFlash drafter: a few Qwen3-style decoder layers with KV injection of target features."""
 
-    variant: Literal["dflash", "dspark", "dflash2"] = Field(
+    variant: str = Field(
         "dflash",
-        description="the drafter variant (variants/): dflash, dspark (Markov and confidence heads) or dflash2 "
-        "(local convolutions and a top-K candidate selector)",
+        description="the drafter variant (variants/): dflash, or a registered one; its settings are the "
+        "section of its name (drafter.dspark, drafter.dflash2)",
     )
-    dspark: DSparkSettings = Field(default_factory=DSparkSettings, description="settings of variant dspark")
-    dflash2: DFlash2Settings = Field(default_factory=DFlash2Settings, description="settings of variant dflash2")
+    # one section per registered variant with settings, inserted here by add_variant_section
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2, description="B: anchor slot plus B-1 mask slots")
     intermediate_size: int | None = Field(
@@ -122,14 +122,21 @@ class DrafterConfig(Section):
         False, description="recompute each drafter layer in the backward pass instead of keeping its activations"
     )
 
+    @field_validator("variant")
+    @classmethod
+    def _registered_variant(cls, name: str) -> str:
+        if name not in VARIANT_SETTINGS:
+            raise ValueError(f"unknown drafter variant {name!r}: the registered ones are {', '.join(VARIANT_SETTINGS)}")
+        return name
+
     @model_validator(mode="after")
     def _no_settings_of_another_variant(self) -> DrafterConfig:
         # Compared with the defaults, not with what was set: a resolved run.yaml holds every section.
-        for name in ("dspark", "dflash2"):
-            section = getattr(self, name)
-            if name == self.variant:
+        for name, settings in VARIANT_SETTINGS.items():
+            if name == self.variant or name not in type(self).model_fields:
                 continue
-            changed = [k for k in type(section).model_fields if getattr(section, k) != getattr(type(section)(), k)]
+            section = getattr(self, name)
+            changed = [k for k in settings.model_fields if getattr(section, k) != getattr(settings(), k)]
             if changed:
                 raise ValueError(
                     f"drafter.{name}.{changed[0]} is set but drafter.variant is {self.variant}, which ignores it: "
@@ -139,8 +146,10 @@ class DrafterConfig(Section):
 
     @property
     def variant_settings(self) -> VariantSettings:
-        """The settings section of ``variant`` (an empty one for DFlash, which has none)."""
-        return getattr(self, self.variant, None) or VariantSettings()
+        """The typed settings of ``variant``: its section (a default one for a variant without fields)."""
+        if self.variant in type(self).model_fields:
+            return getattr(self, self.variant)
+        return VARIANT_SETTINGS[self.variant]()
 
     @property
     def block_span(self) -> int:
@@ -367,10 +376,46 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _one_block_credit(self) -> RunConfig:
-        dpard = self.drafter.variant == "dspark" and self.drafter.dspark.position_weights == "dpard"
-        if dpard and self.loss.position_weights == "dpace":
+        credit = self.drafter.variant_settings.block_credit
+        if credit and self.loss.position_weights == "dpace":
             raise ValueError(
-                "loss.position_weights=dpace and drafter.dspark.position_weights=dpard both replace the slot "
+                f"loss.position_weights=dpace and drafter.{self.drafter.variant}.{credit} both replace the slot "
                 "weights by a block credit: choose one"
             )
         return self
+
+
+def add_variant_section(name: str, settings: type[VariantSettings]) -> None:
+    """Make ``drafter.variant=name`` valid and, when ``settings`` has fields, ``drafter.<name>`` its typed
+    section (placed after ``variant``, in registration order: ``run.yaml`` keeps one key order).
+    Registering a name again with the same settings changes nothing; with other settings it is refused."""
+    known = VARIANT_SETTINGS.get(name)
+    if known is not None:
+        if known is not settings:
+            raise ValueError(f"drafter variant {name!r} is registered already, with {known.__name__}")
+        return
+    if not name.isidentifier() or name in DrafterConfig.model_fields:
+        raise ValueError(f"drafter variant name {name!r} is no identifier, or a drafter setting's name")
+    VARIANT_SETTINGS[name] = settings
+    if not settings.model_fields:
+        return
+    fields = DrafterConfig.__pydantic_fields__
+    before = list(fields)
+    place = before.index("variant") + sum(1 for n in VARIANT_SETTINGS if n in fields) + 1
+    moved = {k: fields.pop(k) for k in before[place:]}
+    fields[name] = FieldInfo(annotation=settings, default_factory=settings, description=f"settings of variant {name}")
+    fields.update(moved)
+    DrafterConfig.model_rebuild(force=True)
+    RunConfig.model_rebuild(force=True)
+
+
+def remove_variant_section(name: str) -> None:
+    """Undo ``add_variant_section`` (a variant registered for a while: a test's)."""
+    VARIANT_SETTINGS.pop(name, None)
+    if DrafterConfig.__pydantic_fields__.pop(name, None) is not None:
+        DrafterConfig.model_rebuild(force=True)
+        RunConfig.model_rebuild(force=True)
+
+
+# the registered variants' settings, by name (the schema's variant choices); dflash: the base, no fields
+VARIANT_SETTINGS: dict[str, type[VariantSettings]] = {"dflash": VariantSettings}

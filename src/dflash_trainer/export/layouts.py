@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 from ..errors import JsonRecord, UserError, check_schema
 from ..model.drafter import DFlashDrafter, DrafterSpec
-from ..variants import VARIANTS, make_drafter, variant_of
+from ..variants import make_drafter, registered, variant_of
 
 MODEL_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded weights (transformers' save_pretrained)
@@ -215,12 +215,12 @@ def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 def _zlab_variant(archs: list[str], value):
     """The variant a z-lab folder holds: the one whose z-lab class it names or whose ``dflash_config``
     fields it has (DFlash2: ``DFlash2DraftModel``, ``conv_kernel_size`` ...), else DFlash."""
-    for variant in VARIANTS.values():
+    for variant in registered():
         if variant.zlab_fields and (
             variant.zlab_architecture in archs or any(value(name) is not None for name in variant.zlab_fields)
         ):
             return variant
-    return VARIANTS["dflash"]
+    return variant_of("dflash")
 
 
 def _zlab(cfg: dict, where: str, ours: bool):
@@ -272,7 +272,10 @@ def _zlab(cfg: dict, where: str, ours: bool):
 
 def _speculators(cfg: dict, where: str):
     kind = cfg.get("speculators_model_type")
-    readable = {v.speculators_type: v for v in VARIANTS.values()}
+    readable = {}
+    for v in registered():  # a variant without a speculators layout has no speculators_type
+        if v.speculators_type:
+            readable.setdefault(v.speculators_type, v)
     if kind not in readable:
         raise UserError(f"{where}: speculators_model_type {kind!r}; the drafters read are {sorted(readable)}")
     variant = readable[kind]

@@ -57,8 +57,9 @@ class DrafterSpec:
     # it carries how the head's logits are post-processed too.
     logit_scale: float = 1.0
     logit_softcap: float | None = None
-    # The drafter variant (``variants/``) and its settings (``config/variants.py``, as a plain dict):
-    # DFlash has none, and a DFlash spec's JSON form leaves both out, as before variants existed.
+    # The drafter variant (``variants/``) and its settings (``variants/<name>/settings.py``) as the plain
+    # dict a drafter's config file stores (``Variant.settings`` types them): DFlash has none, and a
+    # DFlash spec's JSON form leaves both out, as before variants existed.
     variant: str = "dflash"
     variant_options: dict = field(default_factory=dict, hash=False)
 

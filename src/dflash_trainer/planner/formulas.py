@@ -159,9 +159,10 @@ def variant_head_params(w: Workload, d: DrafterDims) -> tuple[int, int, int]:
     """``(parameters, tensors, largest tensor)`` of the variant's heads (0s for DFlash)."""
     from ..variants import variant_of
 
-    variant, options = variant_of(w.variant), dict(w.variant_options)
-    shapes = variant.head_shapes(options, d.hidden, d.vocab)
-    shapes += variant.layer_shapes(options, d.hidden) * w.drafter_layers
+    variant = variant_of(w.variant)
+    settings = variant.settings(dict(w.variant_options))
+    shapes = variant.head_shapes(settings, d.hidden, d.vocab)
+    shapes += variant.layer_shapes(settings, d.hidden) * w.drafter_layers
     sizes = [math.prod(shape) for shape in shapes]
     return sum(sizes), len(sizes), max(sizes, default=0)
 
@@ -170,7 +171,9 @@ def variant_layer_params(w: Workload, d: DrafterDims) -> int:
     """Parameters the variant adds to one decoder layer (DFlash2's two convolutions)."""
     from ..variants import variant_of
 
-    return sum(math.prod(shape) for shape in variant_of(w.variant).layer_shapes(dict(w.variant_options), d.hidden))
+    variant = variant_of(w.variant)
+    shapes = variant.layer_shapes(variant.settings(dict(w.variant_options)), d.hidden)
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def drafter_param_tensors(num_layers: int) -> int:
@@ -206,8 +209,9 @@ def muon_matrix_shapes(w: Workload, d: DrafterDims) -> list[tuple[int, int]]:
         (d.intermediate, h),
         (h, d.intermediate),
     ]
-    variant, options = variant_of(w.variant), dict(w.variant_options)
-    extra = variant.head_shapes(options, h, d.vocab) + variant.layer_shapes(options, h) * w.drafter_layers
+    variant = variant_of(w.variant)
+    settings = variant.settings(dict(w.variant_options))
+    extra = variant.head_shapes(settings, h, d.vocab) + variant.layer_shapes(settings, h) * w.drafter_layers
     return (
         [(h, w.num_features * h)]
         + layer * w.drafter_layers
@@ -220,8 +224,9 @@ def muon_rest_largest(w: Workload, d: DrafterDims) -> int:
     vocabulary-sized or non-matrix tensor."""
     from ..variants import variant_of
 
-    variant, options = variant_of(w.variant), dict(w.variant_options)
-    shapes = variant.head_shapes(options, d.hidden, d.vocab) + variant.layer_shapes(options, d.hidden)
+    variant = variant_of(w.variant)
+    settings = variant.settings(dict(w.variant_options))
+    shapes = variant.head_shapes(settings, d.hidden, d.vocab) + variant.layer_shapes(settings, d.hidden)
     return max([d.hidden] + [math.prod(s) for s in shapes if len(s) != 2 or d.vocab in s])
 
 
@@ -459,15 +464,13 @@ def conv_backward_transient(d: DrafterDims, w: Workload) -> int:
     return 3 * w.queries * d.hidden * 4 if w.conv_kernel else 0
 
 
-def selector_bytes(w: Workload) -> int:
-    """DFlash2's selector loss on the ``n`` loss rows (``variants/dflash2.selector_loss``): the top-K ids
-    and training candidates ``[n, K]`` int64, the candidates' unary logits and scores ``[n, K]`` fp32,
-    the predecessor rows and the projected hidden ``[n, r]`` fp32, and the successor rows ``[n, K, r]``
-    fp32 with their autocast cast (the einsum keeps the cast for backward)."""
-    if not w.selector_rank:
-        return 0
-    n, k, r = w.loss_rows, w.selector_top_k, w.selector_rank
-    return 2 * n * k * 8 + 3 * n * k * 4 + 2 * n * r * 4 + n * k * r * (4 + (2 if w.autocast else 0))
+def variant_loss_items(w: Workload, d: DrafterDims) -> dict[str, int]:
+    """What the variant's heads keep alive in the loss phase, by item name (``Variant.loss_activations``,
+    priced beside the variant's code: DFlash2's selector rows in ``variants/dflash2/cost.py``)."""
+    from ..variants import variant_of
+
+    variant = variant_of(w.variant)
+    return variant.loss_activations(variant.settings(dict(w.variant_options)), w.loss_rows, d.hidden, w.autocast)
 
 
 def attention_saved(d: DrafterDims, w: Workload, device: str) -> int:

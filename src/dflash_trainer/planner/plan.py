@@ -277,8 +277,7 @@ def drafter_phases(
         "loss inputs (hidden cast, teacher rows)": F.loss_inputs_bytes(w, h),
         "fused loss workspace": sum(loss_ws.values()),
     }
-    if w.selector_rank:
-        loss["candidate selector (top-K rows)"] = F.selector_bytes(w)
+    loss.update(F.variant_loss_items(w, d))
     if retained:
         loss["context features (kept by the graph)"] = retained
     phases["loss"] = loss

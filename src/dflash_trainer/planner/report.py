@@ -24,7 +24,7 @@ from .throughput import DEFAULT_UTILIZATION, GPU_PEAKS, best_split, throughput
 def workload_from_config(cfg) -> F.Workload:
     """The planner's view of a ``RunConfig``."""
     d, lo, tr = cfg.drafter, cfg.loss, cfg.train
-    variant_terms = variant_of(d.variant).planner_terms(d.variant_settings.model_dump())
+    variant_terms = variant_of(d.variant).planner_terms(d.variant_settings)
     return F.Workload(
         seq_len=cfg.data.seq_len,
         max_anchors=cfg.data.max_anchors,

@@ -44,7 +44,7 @@ def needs_teacher(cfg: RunConfig) -> bool:
     drafter variant's that needs them)."""
     if loss_terms(cfg, {}).needs_teacher:
         return True
-    return variant_of(cfg.drafter.variant).needs_teacher(cfg.drafter.variant_settings.model_dump())
+    return variant_of(cfg.drafter.variant).needs_teacher(cfg.drafter.variant_settings)
 
 
 def row_generator(seed: int, row_index: int) -> torch.Generator:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config.variants import VariantSettings
 from ..errors import UserError
 from ..loss import LossTerms, fused_draft_loss, reference_draft_loss
 from ..loss.logits import transform_logits
@@ -18,7 +19,8 @@ from ..model.drafter import DFlashDrafter, DrafterSpec
 
 class Variant:
     name = "dflash"
-    speculators_type = "dflash"  # the ``speculators_model_type`` of its speculators export
+    settings_type: type[VariantSettings] = VariantSettings  # its ``drafter.<name>`` section (none without fields)
+    speculators_type: str | None = "dflash"  # the ``speculators_model_type`` of its speculators export (None: none)
     head_names: tuple[str, ...] = ()  # attribute names ``heads`` may add (their tensors' name prefixes)
     logged_metrics: tuple[str, ...] = ()  # scalar metrics of ``loss`` the trainer logs each step (metrics.jsonl)
     # parameter names of the variant's vocabulary-sized tables (embeddings, codebooks, a vocabulary
@@ -47,9 +49,14 @@ class Variant:
         z-lab's code reads it, ``dflash_config`` first, then the top level; None where absent)."""
         return {}
 
+    def settings(self, spec: DrafterSpec | dict) -> VariantSettings:
+        """The typed settings of a drafter ``spec`` (or of its ``variant_options`` dict, the form a
+        drafter's config file stores)."""
+        return self.settings_type(**(spec if isinstance(spec, dict) else spec.variant_options))
+
     def label_shift(self, spec: DrafterSpec) -> int:
         """Slot k predicts the token at ``anchor + k + label_shift``; a block spans B + shift row tokens."""
-        return 0
+        return self.settings(spec).label_shift
 
     def heads(self, spec: DrafterSpec) -> dict[str, nn.Module]:
         """Submodules the variant adds to the drafter, by attribute name."""
@@ -60,28 +67,32 @@ class Variant:
         sublayer wraps ``attention_conv`` / ``mlp_conv``); called once per layer."""
         return {}
 
-    def needs_teacher(self, options: dict) -> bool:
-        """Whether the variant's loss (with settings ``options``, ``DrafterSpec.variant_options``) reads
-        the teacher even when the base loss does not."""
+    def needs_teacher(self, settings: VariantSettings) -> bool:
+        """Whether the variant's loss (with ``settings``) reads the teacher even when the base loss does not."""
         return False
 
-    def head_shapes(self, options: dict, hidden: int, vocab: int) -> list[tuple[int, ...]]:
+    def head_shapes(self, settings: VariantSettings, hidden: int, vocab: int) -> list[tuple[int, ...]]:
         """The parameter shapes ``heads`` adds (the planner prices them, their gradients and AdamW state)."""
         return []
 
-    def layer_shapes(self, options: dict, hidden: int) -> list[tuple[int, ...]]:
+    def layer_shapes(self, settings: VariantSettings, hidden: int) -> list[tuple[int, ...]]:
         """The parameter shapes ``layer_modules`` adds to each decoder layer (priced like ``head_shapes``)."""
         return []
 
-    def planner_terms(self, options: dict) -> dict:
+    def loss_activations(self, settings: VariantSettings, rows: int, hidden: int, autocast: bool) -> dict[str, int]:
+        """Bytes the variant's heads keep alive through the loss phase of a step of ``rows`` loss rows
+        (hidden size ``hidden``; ``autocast``: bf16 compute over fp32 weights), by the planner's item name."""
+        return {}
+
+    def planner_terms(self, settings: VariantSettings) -> dict:
         """The planner's ``Workload`` fields of this variant (``planner.formulas.Workload``)."""
         return {
             "variant": self.name,
-            "variant_options": tuple(sorted(options.items())),
+            "variant_options": tuple(sorted(settings.model_dump().items())),
             "label_shift": 0,
             "bias_rank": 0,
             "per_row_terms": False,
-            "variant_teacher": self.needs_teacher(options),
+            "variant_teacher": self.needs_teacher(settings),
         }
 
     def export_refusal(self, fmt: str, spec: DrafterSpec) -> str | None:
