@@ -61,13 +61,9 @@ class Workload:
     bias_rank: int = 0
     per_row_terms: bool = False
     variant_teacher: bool = False
-    variant_options: tuple = ()  # the variant's settings as sorted (key, value) pairs
-    # DFlash2: local convolutions of this many taps (0: none), channels in groups of ``conv_group_size``
-    # sharing a dynamic kernel, around both sublayers of every layer; a selector of this rank over the top K.
-    conv_kernel: int = 0
-    conv_group_size: int = 1
-    selector_rank: int = 0
-    selector_top_k: int = 0
+    # the variant's settings as sorted (key, value) pairs: what it adds to a layer's activations and to
+    # the loss phase it prices itself, beside its code (``Variant.layer_activations``, ``loss_activations``)
+    variant_options: tuple = ()
 
     @property
     def queries(self) -> int:
@@ -439,38 +435,44 @@ def layer_saved(d: DrafterDims, w: Workload, device: str, first: bool) -> dict[s
         "mlp": 4 * Q * d.intermediate * c,
         "layer output": Q * h * 4,
     }
-    if w.conv_kernel:
-        out["local convolutions"] = conv_saved(d, w)
+    out.update(variant_layer_items(d, w))
     if w.autocast:
         out["bf16 weight copies"] = drafter_matmul_params(d) * 2
     return out
 
 
-def conv_saved(d: DrafterDims, w: Workload) -> int:
-    """DFlash2's two convolutions of a layer (``variants/dflash2._LeanConv`` keeps only its inputs): per
-    sublayer the norm's output ``[Q, H]`` fp32 (the input side's input, which the projections would
-    not otherwise keep) and its bf16 cast for ``kernel_projection`` under autocast, the dynamic kernels
-    ``[Q, 2, kernel, G]`` and the sublayer's output ``[Q, H]`` (the output side's input)."""
-    Q, h, c = w.queries, d.hidden, w.c
-    per_sublayer = (
-        Q * h * 4 + (Q * h * c if w.autocast else 0) + Q * 2 * w.conv_kernel * (h // w.conv_group_size) * c + Q * h * c
-    )
-    return 2 * per_sublayer
-
-
-def conv_backward_transient(d: DrafterDims, w: Workload) -> int:
-    """``_LeanConv``'s backward: the input gradient it accumulates, a product and a shifted copy ``[Q, H]``
-    (fp32), per application; the sublayer's own backward runs after it."""
-    return 3 * w.queries * d.hidden * 4 if w.conv_kernel else 0
-
-
-def variant_loss_items(w: Workload, d: DrafterDims) -> dict[str, int]:
-    """What the variant's heads keep alive in the loss phase, by item name (``Variant.loss_activations``,
-    priced beside the variant's code: DFlash2's selector rows in ``variants/dflash2/cost.py``)."""
+def _variant(w: Workload):
+    """``(variant, its typed settings)`` of the workload."""
     from ..variants import variant_of
 
     variant = variant_of(w.variant)
-    return variant.loss_activations(variant.settings(dict(w.variant_options)), w.loss_rows, d.hidden, w.autocast)
+    return variant, variant.settings(dict(w.variant_options))
+
+
+def variant_layer_items(d: DrafterDims, w: Workload) -> dict[str, int]:
+    """What the variant adds to one layer's saved activations, by item name (``Variant.layer_activations``:
+    DFlash2's convolutions, priced in ``variants/dflash2/cost.py``)."""
+    variant, settings = _variant(w)
+    return variant.layer_activations(settings, w.queries, d.hidden, w.c, w.autocast)
+
+
+def variant_layer_backward(d: DrafterDims, w: Workload) -> int:
+    """The variant's temporaries in one layer's backward (``Variant.layer_backward_transient``)."""
+    variant, settings = _variant(w)
+    return variant.layer_backward_transient(settings, w.queries, d.hidden)
+
+
+def variant_loss_items(w: Workload, d: DrafterDims) -> dict[str, int]:
+    """What the variant's heads keep alive in the loss phase, by item name (``Variant.loss_activations``:
+    DFlash2's selector rows, priced in ``variants/dflash2/cost.py``)."""
+    variant, settings = _variant(w)
+    return variant.loss_activations(settings, w.loss_rows, d.hidden, w.autocast)
+
+
+def variant_notes(w: Workload, d: DrafterDims) -> dict[str, str]:
+    """The plan's notes on the variant's items (``Variant.planner_notes``)."""
+    variant, settings = _variant(w)
+    return variant.planner_notes(settings, w.loss_rows, d.vocab)
 
 
 def attention_saved(d: DrafterDims, w: Workload, device: str) -> int:
@@ -571,7 +573,7 @@ def layer_backward_peak(
     grad_x = 2 * Q * h * 4  # the gradient arriving at the layer output and the one leaving through the residual
     acc = L * h * 4 if below_has_ctx_grad else 0
     mlp = total + 2 * Q * d.intermediate * c + (h * d.intermediate * c if w.autocast else 0) + grad_x + acc
-    mlp += conv_backward_transient(d, w)
+    mlp += variant_layer_backward(d, w)
     after_mlp = total - saved["mlp"] - saved["residual + post norm"] - saved["layer output"]
     attn = (
         after_mlp

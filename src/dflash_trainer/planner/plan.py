@@ -391,11 +391,7 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
         f"{(F.drafter_param_count(d, w.drafter_layers, w.num_features) + variant_params) / 1e9:.2f} B parameters"
         + (f", {variant_params / 1e6:,.0f} M of them the {w.variant} variant's" if variant_params else "")
     )
-    if w.selector_rank:
-        notes["candidate selector (top-K rows)"] = (
-            f"top {w.selector_top_k} of {w.loss_rows:,} rows; codebooks 2 x {d.vocab:,} x {w.selector_rank} = "
-            f"{2 * d.vocab * w.selector_rank / 1e6:,.0f} M parameters (weights, gradients, AdamW state above)"
-        )
+    notes.update(F.variant_notes(w, d))
     notes["fused loss workspace"] = f"chunks of {min(chunk, w.loss_rows)} rows over {w.loss_rows:,} rows"
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     notes["temporaries (largest step)"] = {

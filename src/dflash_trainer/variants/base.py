@@ -79,6 +79,21 @@ class Variant:
         """The parameter shapes ``layer_modules`` adds to each decoder layer (priced like ``head_shapes``)."""
         return []
 
+    def layer_activations(
+        self, settings: VariantSettings, queries: int, hidden: int, compute_bytes: int, autocast: bool
+    ) -> dict[str, int]:
+        """Bytes the variant's ``layer_modules`` save for the backward pass in one decoder layer of a step
+        of ``queries`` block rows (``compute_bytes`` per element of the compute dtype), by item name."""
+        return {}
+
+    def layer_backward_transient(self, settings: VariantSettings, queries: int, hidden: int) -> int:
+        """Temporaries the variant's ``layer_modules`` add to one layer's backward pass."""
+        return 0
+
+    def planner_notes(self, settings: VariantSettings, rows: int, vocab: int) -> dict[str, str]:
+        """The plan's notes on the items the variant prices, by item name."""
+        return {}
+
     def loss_activations(self, settings: VariantSettings, rows: int, hidden: int, autocast: bool) -> dict[str, int]:
         """Bytes the variant's heads keep alive through the loss phase of a step of ``rows`` loss rows
         (hidden size ``hidden``; ``autocast``: bf16 compute over fp32 weights), by the planner's item name."""

@@ -1,5 +1,5 @@
-"""DFlash2's cost for the planner: the convolutions' and the selector's parameters, and the sizes its
-activation formulas read."""
+"""DFlash2's cost for the planner: the convolutions' and the selector's parameters, what they keep for
+the backward pass, and the plan's note on the selector."""
 
 from __future__ import annotations
 
@@ -27,11 +27,26 @@ class DFlash2Cost:
         kept = 2 * n * k * 8 + 3 * n * k * 4 + 2 * n * r * 4 + n * k * r * (4 + (2 if autocast else 0))
         return {"candidate selector (top-K rows)": kept}
 
-    def planner_terms(self, s: DFlash2Settings) -> dict:
+    def layer_activations(
+        self, s: DFlash2Settings, queries: int, hidden: int, compute_bytes: int, autocast: bool
+    ) -> dict[str, int]:
+        """The two convolutions of a layer (``modules._LeanConv`` keeps only its inputs): per sublayer the
+        norm's output ``[Q, H]`` fp32 (the input side's input, which the projections would not otherwise
+        keep) and its cast for ``kernel_projection`` under autocast, the dynamic kernels ``[Q, 2, kernel,
+        G]`` and the sublayer's output ``[Q, H]`` (the output side's input)."""
+        q, h, c = queries, hidden, compute_bytes
+        groups = h // s.conv_group_size
+        per_sublayer = q * h * 4 + (q * h * c if autocast else 0) + q * 2 * s.conv_kernel_size * groups * c + q * h * c
+        return {"local convolutions": 2 * per_sublayer}
+
+    def layer_backward_transient(self, s: DFlash2Settings, queries: int, hidden: int) -> int:
+        """``_LeanConv``'s backward: the input gradient it accumulates, a product and a shifted copy
+        ``[Q, H]`` (fp32), per application; the sublayer's own backward runs after it."""
+        return 3 * queries * hidden * 4
+
+    def planner_notes(self, s: DFlash2Settings, rows: int, vocab: int) -> dict[str, str]:
         return {
-            **super().planner_terms(s),
-            "conv_kernel": s.conv_kernel_size,
-            "conv_group_size": s.conv_group_size,
-            "selector_rank": s.selector_rank,
-            "selector_top_k": s.selector_top_k,
+            "candidate selector (top-K rows)": f"top {s.selector_top_k} of {rows:,} rows; codebooks 2 x {vocab:,} x "
+            f"{s.selector_rank} = {2 * vocab * s.selector_rank / 1e6:,.0f} M parameters (weights, gradients, "
+            "AdamW state above)"
         }
