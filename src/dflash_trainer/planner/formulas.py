@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..loss.workspace import chunk_loop_bytes
 from .shapes import TargetShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -593,55 +594,26 @@ def layer_backward_peak(
 def loss_workspace(
     w: Workload, vocab: int, hidden: int, chunk: int, correct_fraction: float = 1.0, kernel: bool = False
 ) -> dict[str, int]:
-    """The fused loss (``loss/fused.py``) on ``n = loss_rows`` rows in chunks of ``c`` rows.
-
-    ``dh_s`` ``[N, H]`` fp32 over all ``N = queries`` rows (the op's outputs have static shapes; twice
-    with CAP), and each chunk's ``[c, H]`` fp32 ``G @ W`` before it lands there. Per chunk, with ``kernel`` (the native CPU kernel or
-    Triton's, ``loss.fused.planned_epilogue``): the raw student and teacher logits and G, ``[c, V]``
-    in the head dtype, and ``G @ W``'s ``[c, H]`` output before its fp32 copy. Without (the eager
-    passes): the reused fp32 ``[c, V]`` buffers ``zs`` and ``p``, ``zt`` when teacher states are given,
-    ``q`` with KL, and the largest transient of the chunk loop: the bf16 logits GEMM before its fp32
-    copy, ``torch.linalg.vecdot``'s elementwise product (entropy, KL cross term), ``logsumexp``'s
-    internal exp and the temperature-scaled copies, ``p``'s bf16 copy for ``G @ W``. Both: for CAP the
-    correct rows' logits, their ``logsumexp``, ``exp`` and bf16 copy. ``correct_fraction`` is the share
-    of chunk rows whose argmax is already right (CAP's extra work; 1.0, the worst case, for planning).
-    This is the loss's ``c*V*16..20`` eager, ``c*V*6`` (bf16) to ``c*V*12`` (fp32) with a kernel, plus
-    those transients."""
-    n = w.loss_rows
-    f, t = 4, w.t
-    kernel = kernel and w.tv_weight == 0  # TV's gradient runs in the eager passes (loss.fused)
-    c = max(1, min(chunk, n))
-    cv = c * vocab
-    cap = 0
-    if w.cap_weight > 0:
-        nc = int(round(c * correct_fraction))
-        cap = nc * vocab * (2 * f + (t if t != f else 0))  # g = zs[idx], then exp / logsumexp, bf16 copy
-    dh = w.queries * hidden * f * (2 if w.cap_weight > 0 else 1)
-    dh_chunk = c * hidden * f
-    bias = {}
-    if w.bias_rank:  # d e [N, r] and d W2 [V, r] in fp32 (twice with CAP), the chunk's [c, r] G @ W2
-        r, twice = w.bias_rank, (2 if w.cap_weight > 0 else 1)
-        bias = {"markov bias gradients": twice * (w.queries + vocab) * r * f + c * r * f}
-    # DSpark's per-row terms (acceptance / Renyi / D-PARD): no buffer in a kernel (its scratch is a few
-    # rows per thread), one more [c, V] buffer in the eager passes; ``kernel`` says which will run.
-    if kernel:
-        buffers = (2 + (1 if w.need_teacher else 0)) * cv * t + (c * hidden * t if t != f else 0) + dh_chunk
-        return {"dh": dh, "chunk buffers": buffers, "chunk transient": cap, **bias}
-    per_row = w.per_row_terms or w.tv_weight > 0
-    buffers = 2 + (1 if w.need_teacher else 0) + (1 if w.kl_weight > 0 else 0) + (1 if per_row else 0)
-    gemm = cv * t if t != f else 0
-    vecdot = cv * f
-    temp = 0
-    if w.kl_weight > 0 and w.temperature != 1.0:
-        temp = 2 * cv * f  # log_pt and its logsumexp
-    if w.cap_temperature != 1.0:
-        temp = max(temp, 2 * cv * f)
-    grad_copy = cv * t if t != f else 0
-    if w.bias_rank and t != f:
-        gemm *= 2  # the bf16 GEMM output and the bias term added to it before the fp32 copy
-    tv = cv * (f + 1) if w.tv_weight > 0 else 0  # TV's bool mask and its gradient beside Renyi's
-    transient = max(gemm, vecdot, temp, grad_copy, cap, tv)
-    return {"dh": dh, "chunk buffers": buffers * cv * f + dh_chunk, "chunk transient": transient, **bias}
+    """The fused loss's workspace on the step's ``w.loss_rows`` rows in chunks of ``chunk`` rows, as the
+    loss prices it beside its code (``loss.workspace.chunk_loop_bytes``)."""
+    return chunk_loop_bytes(
+        rows=w.loss_rows,
+        queries=w.queries,
+        vocab=vocab,
+        hidden=hidden,
+        chunk=chunk,
+        head_bytes=w.t,
+        teacher=w.need_teacher,
+        kl_weight=w.kl_weight,
+        temperature=w.temperature,
+        cap_weight=w.cap_weight,
+        cap_temperature=w.cap_temperature,
+        tv_weight=w.tv_weight,
+        per_row_terms=w.per_row_terms,
+        bias_rank=w.bias_rank,
+        correct_fraction=correct_fraction,
+        kernel=kernel,
+    )
 
 
 def loss_inputs_bytes(w: Workload, hidden: int) -> int:
