@@ -88,6 +88,7 @@ LONGEST_FILES = (
     "test_foreign_drafters.py",
     "test_eval.py",
     "test_variant_contract.py",
+    "test_warm_start.py",
     "test_dspark.py",
     "test_generate_vllm.py",
 )

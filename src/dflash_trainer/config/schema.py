@@ -115,6 +115,12 @@ class DrafterConfig(Section):
     )
     noise_scale: float = Field(0.0, ge=0.0, description="s: uniform in [-s, s] or Gaussian std s")
     mask_token_id: int | None = Field(None, ge=0, description="null = the tokenizer's <|MASK|> token")
+    init_from: str | None = Field(
+        None,
+        description="a drafter folder to start from instead of a random init (warm start, fine-tuning): this "
+        "project's checkpoint or export, a z-lab or speculators folder; it must fit this run's target and "
+        "drafter settings (refused in one line otherwise); --resume still wins",
+    )
     attention_backend: Literal["dense", "flex"] = Field(
         "dense", description="dense boolean mask + SDPA (CPU, small cases) or FlexAttention BlockMask (GPU, compiled)"
     )

@@ -51,6 +51,7 @@ from .checkpoint import (
 from .distributed import StepPlan
 from .optim import Optimizers, muon_matrices, resolve_epochs
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
+from .warm_start import warm_start
 
 EVAL_SEED = 1234  # anchors of the periodic evaluation: the same blocks at every evaluation
 EVAL_BLOCKS_PER_ROW = 64
@@ -58,7 +59,7 @@ EVAL_BLOCKS_PER_ROW = 64
 
 def build_drafter(cfg: RunConfig, target: TargetModel, tokenizer) -> DFlashDrafter:
     """A freshly initialized drafter for ``target`` (seeded by ``train.seed``), fp32 parameters, on the
-    target's device."""
+    target's device; with ``drafter.init_from``, holding that folder's weights (``warm_start``)."""
     mask_id = resolve_mask_token_id(tokenizer, cfg.drafter.mask_token_id, target.vocab_size)
     spec = DrafterSpec.from_target(
         target.config, cfg.drafter, num_features=len(target.layer_ids), mask_token_id=mask_id
@@ -72,7 +73,11 @@ def build_drafter(cfg: RunConfig, target: TargetModel, tokenizer) -> DFlashDraft
         for p in drafter.parameters():
             if p.dim() > 1:
                 torch.nn.init.normal_(p, std=0.02)
-    return drafter.float()
+    drafter = drafter.float()
+    if cfg.drafter.init_from:
+        warm_start(drafter, cfg.drafter.init_from, target)
+        print(f"drafter: starting from the weights of {cfg.drafter.init_from}", flush=True)
+    return drafter
 
 
 def epoch_order(seed: int, epoch: int, num_rows: int) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""``drafter.init_from`` (training/warm_start.py): training starts from a drafter folder's weights, whatever
+layout the folder has, and a folder that does not fit the run is refused in one line.
+
+"Starts where it ended": the session's shared drafter (tests/trained.py, 150 steps) is exported in both
+layouts; a run warm-started from the checkpoint or either export, for one step at a learning rate of
+1e-30 (below what moves an fp32 weight; the schema wants one > 0), evaluates on the same held-out row
+exactly as the shared run's last evaluation did, and its first training loss is far below a randomly
+initialized run's."""
+
+import json
+
+import pytest
+from cli_runs import in_process
+from trained import train_on_greedy
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train_on_greedy()
+
+
+@pytest.fixture(scope="module")
+def sources(trained, tmp_path_factory):
+    """The shared drafter as its checkpoint and as its two exports."""
+    root = tmp_path_factory.mktemp("exports")
+    out = {"checkpoint": trained["ckpt"]}
+    for fmt in ("zlab", "speculators"):
+        done = in_process("export", "--format", fmt, str(trained["ckpt"]), str(root / fmt))
+        assert done.returncode == 0, done.stderr
+        out[fmt] = root / fmt
+    return out
+
+
+def run_args(trained, out, *extra: str) -> list[str]:
+    """The shared run's own settings (its run.yaml), one step into ``out``."""
+    args = ["train", "--config", str(trained["root"] / "run" / "run.yaml"), "--no-progress"]
+    for item in [
+        f"output_dir={out}",
+        "data.features=null",
+        "train.max_steps=1",
+        "train.eval_every=1",
+        "train.save_every=1",
+        *extra,
+    ]:
+        args += ["--set", item]
+    return args
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_warm_start_from_each_layout_starts_where_the_drafter_ended(trained, sources, tmp_path):
+    ended = [m for m in metrics(trained["root"] / "run") if "eval_tau" in m][-1]
+    assert ended["eval_tau"] > 1.5  # a trained drafter: the comparison below is not of two blank ones
+    fresh = in_process(*run_args(trained, tmp_path / "fresh"))
+    assert fresh.returncode == 0, fresh.stderr
+    fresh_loss = metrics(tmp_path / "fresh")[0]["loss"]
+    for name, folder in sources.items():
+        out = tmp_path / name
+        done = in_process(*run_args(trained, out, "train.lr=1e-30", f"drafter.init_from={folder}"))
+        assert done.returncode == 0, (name, done.stderr)
+        assert f"starting from the weights of {folder}" in done.stdout
+        first = metrics(out)[0]
+        # the weights unchanged by a step at lr 1e-30: the same held-out row scores what it scored at the end
+        assert first["eval_tau"] == pytest.approx(ended["eval_tau"], rel=1e-6), name
+        assert first["eval_slot_acceptance"] == pytest.approx(ended["eval_slot_acceptance"], rel=1e-6, abs=1e-9)
+        assert first["loss"] < 0.5 * fresh_loss, (name, first["loss"], fresh_loss)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["drafter.num_layers=3"], "has num_layers 2 where this run has 3: set drafter.num_layers=2"),
+        (["drafter.block_size=4"], "has block_size 8 where this run has 4: set drafter.block_size=8"),
+        (["drafter.variant=dspark"], "has variant 'dflash' where this run has 'dspark': set drafter.variant=dflash"),
+        (["target.num_feature_layers=3"], "does not match the target"),
+    ],
+)
+def test_a_folder_that_does_not_fit_the_run_is_refused_in_one_line(trained, sources, tmp_path, extra, message):
+    done = in_process(*run_args(trained, tmp_path / "out", f"drafter.init_from={sources['checkpoint']}", *extra))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"drafter.init_from {sources['checkpoint']}" in lines[0] and message in lines[0], lines
+
+
+def test_a_path_that_is_no_drafter_folder_is_refused_in_one_line(trained, tmp_path):
+    for path, message in [
+        (tmp_path / "missing", "is not a folder"),
+        (trained["root"] / "run", "drafter.init_from"),
+    ]:
+        done = in_process(*run_args(trained, tmp_path / "out", f"drafter.init_from={path}"))
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
