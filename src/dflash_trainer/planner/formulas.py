@@ -152,12 +152,17 @@ def drafter_param_count(d: DrafterDims, num_layers: int, num_features: int) -> i
     return num_features * d.hidden * d.hidden + d.hidden + num_layers * drafter_layer_params(d) + d.hidden
 
 
-def variant_head_params(w: Workload, d: DrafterDims) -> tuple[int, int, int]:
-    """``(parameters, tensors, largest tensor)`` of the variant's heads (0s for DFlash)."""
+def _variant(w: Workload):
+    """``(variant, its typed settings)`` of the workload."""
     from ..variants import variant_of
 
     variant = variant_of(w.variant)
-    settings = variant.settings(dict(w.variant_options))
+    return variant, variant.settings(dict(w.variant_options))
+
+
+def variant_head_params(w: Workload, d: DrafterDims) -> tuple[int, int, int]:
+    """``(parameters, tensors, largest tensor)`` of the variant's heads (0s for DFlash)."""
+    variant, settings = _variant(w)
     shapes = variant.head_shapes(settings, d.hidden, d.vocab)
     shapes += variant.layer_shapes(settings, d.hidden) * w.drafter_layers
     sizes = [math.prod(shape) for shape in shapes]
@@ -166,10 +171,8 @@ def variant_head_params(w: Workload, d: DrafterDims) -> tuple[int, int, int]:
 
 def variant_layer_params(w: Workload, d: DrafterDims) -> int:
     """Parameters the variant adds to one decoder layer (DFlash2's two convolutions)."""
-    from ..variants import variant_of
-
-    variant = variant_of(w.variant)
-    shapes = variant.layer_shapes(variant.settings(dict(w.variant_options)), d.hidden)
+    variant, settings = _variant(w)
+    shapes = variant.layer_shapes(settings, d.hidden)
     return sum(math.prod(shape) for shape in shapes)
 
 
@@ -194,8 +197,6 @@ def optimizer_step_transient(params: int, largest_param: int, device: str) -> in
 def muon_matrix_shapes(w: Workload, d: DrafterDims) -> list[tuple[int, int]]:
     """The matrices ``train.optimizer=muon`` gives to Muon (``training.optim.muon_matrices``): ``fc``,
     every layer's projections and MLP, the variant's 2-D tensors without a vocabulary-sized side."""
-    from ..variants import variant_of
-
     h = d.hidden
     layer = [
         (d.qd, h),
@@ -206,8 +207,7 @@ def muon_matrix_shapes(w: Workload, d: DrafterDims) -> list[tuple[int, int]]:
         (d.intermediate, h),
         (h, d.intermediate),
     ]
-    variant = variant_of(w.variant)
-    settings = variant.settings(dict(w.variant_options))
+    variant, settings = _variant(w)
     extra = variant.head_shapes(settings, h, d.vocab) + variant.layer_shapes(settings, h) * w.drafter_layers
     return (
         [(h, w.num_features * h)]
@@ -219,10 +219,7 @@ def muon_matrix_shapes(w: Workload, d: DrafterDims) -> list[tuple[int, int]]:
 def muon_rest_largest(w: Workload, d: DrafterDims) -> int:
     """The largest tensor AdamW keeps under ``train.optimizer=muon``: a norm's weight, or a variant's
     vocabulary-sized or non-matrix tensor."""
-    from ..variants import variant_of
-
-    variant = variant_of(w.variant)
-    settings = variant.settings(dict(w.variant_options))
+    variant, settings = _variant(w)
     shapes = variant.head_shapes(settings, d.hidden, d.vocab) + variant.layer_shapes(settings, d.hidden)
     return max([d.hidden] + [math.prod(s) for s in shapes if len(s) != 2 or d.vocab in s])
 
@@ -440,14 +437,6 @@ def layer_saved(d: DrafterDims, w: Workload, device: str, first: bool) -> dict[s
     if w.autocast:
         out["bf16 weight copies"] = drafter_matmul_params(d) * 2
     return out
-
-
-def _variant(w: Workload):
-    """``(variant, its typed settings)`` of the workload."""
-    from ..variants import variant_of
-
-    variant = variant_of(w.variant)
-    return variant, variant.settings(dict(w.variant_options))
 
 
 def variant_layer_items(d: DrafterDims, w: Workload) -> dict[str, int]:
