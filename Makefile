@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 # busy, 12 min 13 s; 3 workers 1.95 cores, 10 min 22 s).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print((os.cpu_count() or 1) + 1)")
 
-.PHONY: demo test clean
+.PHONY: demo test docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,5 +47,16 @@ test: $(VENV)/.installed-test $(VENV)/.triton
 	$(VENV)/bin/lint-imports
 	DFLASH_TEST_CPU_REPORT=$(VENV)/test-cpu.jsonl $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
+# The docs site (mkdocs.yml): strict, so a broken link fails; tests/test_docs.py builds it in `make test` too.
+$(VENV)/.installed-docs: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info
+	rm -rf $(VENV) runs build site src/*.egg-info

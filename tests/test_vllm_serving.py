@@ -8,7 +8,7 @@ speculate``'s tau on the same prompts within the spread rounding flips allow (te
 defines all three; speculate's rounds are read from one teacher-forced pass over the target's greedy
 output, ``decode_path_tau``, tested equal round for round to real decoding). What vLLM serves
 differently from training (found here and in benchmarks/bench_vllm.py) is fixed in the export,
-refused at export, or listed in the README's serving table with its numbers.
+refused at export, or listed in docs/serving.md's table with its numbers.
 """
 
 import json
@@ -42,7 +42,7 @@ MAX_TOKENS = 128
 # rounding flip (different kernels, batched target features) re-cuts a prompt's rounds, at worst every
 # prompt's, 3 standard deviations wide (about 8% at this drafter's ~1000 rounds). Where vLLM's reading
 # differs from training's beyond that (the window: vLLM counts it over positions, the block's own slots
-# included, so slot j sees about W-j context rows, training W; README, serving section), it is listed
+# included, so slot j sees about W-j context rows, training W; docs/serving.md), it is listed
 # there with its numbers, not absorbed here.
 WINDOWS_CAUSAL = SETTINGS["windows-causal-in-block"][0]
 EXPORTS = [f"{fmt}-{name}" for name, (_, formats) in SETTINGS.items() for fmt in formats]

@@ -1,4 +1,5 @@
-"""``dflash-train config`` and ``dflash-train presets``: the resolved config, the valid keys, the presets."""
+"""``dflash-train config`` and ``dflash-train presets``: the resolved config, the valid keys, the settings'
+reference, the presets."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ def run_config(args: argparse.Namespace) -> int:
     if args.keys:
         print("\n".join(valid_keys()))
         return 0
+    if args.reference:
+        from ..config.reference import markdown_reference
+
+        print(markdown_reference())
+        return 0
     sys.stdout.write(dump_config(resolve_config(args)))
     return 0
 
@@ -28,6 +34,9 @@ def add_config_parsers(subparsers) -> None:
     p = subparsers.add_parser("config", help="print the fully resolved config as YAML")
     add_config_args(p, default_preset=None)
     p.add_argument("--keys", action="store_true", help="list every valid dotted key instead")
+    p.add_argument(
+        "--reference", action="store_true", help="print every setting's type, default and description (Markdown)"
+    )
     p.set_defaults(func=run_config)
     p = subparsers.add_parser("presets", help="list the built-in presets")
     p.set_defaults(func=run_presets)

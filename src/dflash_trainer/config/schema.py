@@ -38,7 +38,7 @@ class TargetConfig(Section):
         description="z-lab layer ids (id l = output of decoder layer l); null = the default rule "
         "round(1 + i*(n-4)/(k-1)) for an n-layer target",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype the target runs in")
 
     @model_validator(mode="after")
     def _layer_ids_match_k(self) -> TargetConfig:
@@ -92,7 +92,7 @@ class DrafterConfig(Section):
         "section of its name (drafter.dspark, drafter.dflash2)",
     )
     # one section per registered variant with settings, inserted here by add_variant_section
-    num_layers: int = Field(5, ge=1)
+    num_layers: int = Field(5, ge=1, description="decoder layers of the drafter")
     block_size: int = Field(16, ge=2, description="B: anchor slot plus B-1 mask slots")
     intermediate_size: int | None = Field(
         None,
@@ -182,7 +182,9 @@ class DataConfig(Section):
         default_factory=list,
         description="JSONL / Parquet / Arrow files, folders, datasets' save_to_disk or cache folders",
     )
-    eval_files: list[str] = Field(default_factory=list)
+    eval_files: list[str] = Field(
+        default_factory=list, description="held-out data files; empty = eval_fraction of train_files"
+    )
     seq_len: int = Field(4096, ge=2, description="tokens per packed row")
     max_anchors: int = Field(512, ge=1, description="anchors (blocks) sampled per packed row")
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0, description="stop when more records are bad")
@@ -253,7 +255,7 @@ class LossConfig(Section):
 
 
 class CaptureConfig(Section):
-    """What ``dflash-train capture`` stores per token (README: the feature cache)."""
+    """What ``dflash-train capture`` stores per token (docs/offline.md: the feature cache)."""
 
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3"] | None = Field(
         None,
@@ -274,37 +276,39 @@ class TrainConfig(Section):
     """Optimizer, schedule and bookkeeping (``training/optim.py``). The defaults (Muon, WSD, with
     ``loss.position_weights=dpace``) are the recipe that measured best (benchmarks/results/recipes.md)."""
 
-    seed: int = 0
+    seed: int = Field(0, description="seeds the weights, the row order (train.seed, epoch) and the anchors")
     optimizer: Literal["adamw", "muon"] = Field(
         "muon",
         description="adamw, or muon: torch.optim.Muon on the drafter's hidden matrices (learning rate matched "
         "to AdamW's update RMS), AdamW on the rest (norms, biases, vocabulary-sized tensors)",
     )
-    lr: float = Field(6e-4, gt=0.0)
+    lr: float = Field(6e-4, gt=0.0, description="peak learning rate (Muon's matrices and AdamW's tensors alike)")
     schedule: Literal["cosine", "linear", "wsd"] = Field(
         "wsd",
         description="after the warmup: cosine or linear decay to min_lr_ratio, or wsd (warmup-stable-decay: "
         "constant, then linear decay over the last decay_ratio of the steps)",
     )
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="the schedule ends at lr * min_lr_ratio")
     decay_ratio: float = Field(0.2, gt=0.0, le=1.0, description="wsd: share of the steps spent decaying")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay on its matrices")
-    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="muon: Nesterov momentum of its matrices")
     muon_weight_decay: float = Field(0.1, ge=0.0, description="muon: decoupled weight decay of its matrices")
-    warmup_ratio: float = Field(0.04, ge=0.0, le=1.0)
-    max_steps: int = Field(1000, ge=1)
+    warmup_ratio: float = Field(0.04, ge=0.0, le=1.0, description="share of the steps spent warming up linearly")
+    max_steps: int = Field(1000, ge=1, description="optimizer steps of the run (train.epochs, when set, decides)")
     epochs: float | None = Field(
         None,
         gt=0.0,
         description="train this many passes over the training rows instead of max_steps (max_steps is then "
         "ceil(epochs * rows / grad_accum), recorded in run.yaml)",
     )
-    grad_accum: int = Field(1, ge=1)
-    grad_clip: float = Field(1.0, gt=0.0)
+    grad_accum: int = Field(
+        1, ge=1, description="packed rows per optimizer step, split among data-parallel drafter ranks"
+    )
+    grad_clip: float = Field(1.0, gt=0.0, description="clip the gradient's global norm to this")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="autocast dtype of the drafter")
-    log_every: int = Field(10, ge=1)
-    eval_every: int = Field(200, ge=1)
-    save_every: int = Field(500, ge=1)
+    log_every: int = Field(10, ge=1, description="steps between lines of progress and metrics.jsonl")
+    eval_every: int = Field(200, ge=1, description="steps between held-out evaluations (loss, tau)")
+    save_every: int = Field(500, ge=1, description="steps between checkpoints (the last step is always saved)")
     max_consecutive_nonfinite: int = Field(10, ge=1, description="stop after this many non-finite steps in a row")
 
 
@@ -356,15 +360,15 @@ class ExportConfig(Section):
 
     formats: list[Literal["zlab", "speculators"]] = Field(
         default_factory=lambda: ["zlab", "speculators"],
-        description="export formats this drafter is meant for (README: semantics per format); [] = no warning",
+        description="export formats this drafter is meant for (docs/serving.md: semantics per format); [] = no warning",
     )
 
 
 class RunConfig(Section):
     """A whole run. ``output_dir`` receives the resolved ``run.yaml`` and everything the run writes."""
 
-    name: str = "run"
-    output_dir: str = "runs/run"
+    name: str = Field("run", description="the run's name, recorded in run.yaml")
+    output_dir: str = Field("runs/run", description="where checkpoints, metrics.jsonl and run.yaml go")
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     data: DataConfig = Field(default_factory=DataConfig)

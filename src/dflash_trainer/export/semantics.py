@@ -7,7 +7,7 @@ A drafter is trained with (``model/target.py``, ``model/attention.py``):
 - sliding-window layers: every block slot sees the last ``W`` context rows before the anchor plus its
   own block (all of it, or slots ``<= j`` with ``causal_in_block_sliding``).
 
-What the stacks do with an export (read from their code; the README's table lists what was measured):
+What the stacks do with an export (read from their code; docs/serving.md lists what was measured):
 
 - ``zlab`` is read by z-lab's ``DFlashDraftModel`` (github z-lab/dflash, ``dflash/model.py``). Its
   feature extraction takes Hugging Face's ``hidden_states[l + 1]``, which transformers returns *after
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 FORMATS = ("zlab", "speculators")
 
-# One row per format: how the stack reads each trained setting (the README's table, in code).
+# One row per format: how the stack reads each trained setting (docs/serving.md's table, in code).
 SEMANTICS: dict[str, dict[str, str]] = {
     "zlab": {
         "reader": "z-lab's DFlashDraftModel (github z-lab/dflash, dflash/model.py); SGLang/vLLM read the same layout "
