@@ -362,3 +362,115 @@ def test_bad_input_is_one_clear_line(setup, tmp_path, capsys, case, needle):
     assert len(lines) == 1 and lines[0].startswith("dflash-train: error: "), err
     assert needle in lines[0]
     assert not (out / "report.json").exists()
+
+
+def test_benchmarks_are_scored_each_and_overall_with_prompts_answered_by_the_target(setup, tmp_path):
+    """``--benchmark`` twice: full chats (setup.data), and prompts only (a ``question`` column, as gsm8k
+    has) that the target answers first. Each set gets every figure, the overall line is each figure's
+    mean over all the sets' blocks (rounds), and the prompts-only set's answers are the target's own
+    greedy continuations (regenerate's code, run here separately on the same prompts)."""
+    from cli_runs import in_process
+
+    questions = [f"Continue `{f.relpath}`:\n{f.text[:200]}" for f in load_split("train", limit=12)[8:12]]
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "question": q}) + "\n" for i, q in enumerate(questions)))
+    out = tmp_path / "report"
+    done = in_process(
+        "eval",
+        str(setup.trained),
+        str(setup.fresh),
+        "--benchmark",
+        f"chats={setup.data}",
+        "--benchmark",
+        f"questions={prompts}",
+        "--prompt-key",
+        "question",
+        "--out",
+        str(out),
+        "--budgets",
+        "2,8",
+        "--max-blocks-per-row",
+        "8",
+        "--set",
+        "data.seq_len=128",
+        "--sample-prompts",
+        "2",
+        "--max-new-tokens",
+        "24",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["temperature"] == 1.0  # with --benchmark, T = 0 and T = 1 by default
+    chats, asked = report["benchmarks"]
+    assert (chats["name"], chats["generated"], asked["name"], asked["generated"]) == ("chats", 0, "questions", 4)
+
+    answered = [json.loads(line) for line in (out / "benchmarks" / "questions.jsonl").read_text().splitlines()]
+    chat_prompts = tmp_path / "chat_prompts.jsonl"
+    chat_prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ""}]}) + "\n"
+            for q in questions
+        )
+    )
+    model, tok, _ = load_target(TargetConfig(path="tiny", dtype="float32"))
+    reference = regenerate_records(
+        list(iter_records([str(chat_prompts)])), model, tok, max_new_tokens=24, batch_size=8, progress=False
+    )
+    assert [r["messages"] for r in answered] == [r["messages"] for r in reference]
+    assert [r["id"] for r in answered] == [0, 1, 2, 3]  # the input's other columns are kept
+
+    for label in ("a/ckpt", "b/ckpt"):
+        parts = [next(e["report"] for e in b["checkpoints"] if e["label"] == label) for b in (chats, asked)]
+        total = report["overall"][label]
+        blocks = [p["blocks"] for p in parts]
+        assert total["blocks"] == sum(blocks) and min(blocks) > 0
+        assert total["tau"] == pytest.approx(sum(p["tau"] * n for p, n in zip(parts, blocks)) / sum(blocks), rel=1e-12)
+        rounds = [p["decode_rounds"] for p in parts]
+        assert total["decode_tau"] == pytest.approx(
+            sum(p["decode_tau"] * n for p, n in zip(parts, rounds)) / sum(rounds), rel=1e-12
+        )
+        for i in range(2):
+            assert total["ddtree_tau"][i] == pytest.approx(
+                sum(p["ddtree_tau"][i] * n for p, n in zip(parts, blocks)) / sum(blocks), rel=1e-12
+            )
+        measured = [p["sampling"]["measured"]["chain"] for p in parts]
+        assert total["sampling"]["measured_tau"] == pytest.approx(
+            sum(m["tau"] * m["rounds"] for m in measured) / sum(m["rounds"] for m in measured), rel=1e-12
+        )
+        assert all(1.0 <= t <= B for t in [total["tau"], total["decode_tau"], *total["ddtree_tau"]])
+    trained, fresh = (e["report"] for e in chats["checkpoints"])
+    assert trained["tau"] > fresh["tau"]  # the chats are the trained drafter's own training text
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("overall") and "a/ckpt" in line for line in lines)
+    assert any("T=1 meas" in line for line in lines)
+    from matplotlib.image import imread
+
+    assert imread(out / "tau_by_benchmark.png").shape[0] > 200
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("no_equals", "--benchmark takes NAME=PATH"),
+        ("missing", "no such file or folder"),
+        ("both", "with --data, or named sets with --benchmark"),
+        ("twice", "--benchmark a is given twice"),
+        ("no_prompt", "no usable record (no messages, conversations or input_ids)"),
+    ],
+)
+def test_bad_benchmark_input_is_one_clear_line(setup, tmp_path, capsys, case, needle):
+    good = f"a={setup.data}"
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"question": "what?"}\n')
+    specs = {
+        "no_equals": ["--benchmark", "gsm8k"],
+        "missing": ["--benchmark", f"a={tmp_path / 'nope.jsonl'}"],
+        "both": ["--benchmark", good, "--data", str(setup.data)],
+        "twice": ["--benchmark", good, "--benchmark", good],
+        "no_prompt": ["--benchmark", f"b={wrong}"],  # --prompt-key is "prompt": this set has "question"
+    }[case]
+    code = main(["eval", str(setup.trained), *specs, "--out", str(tmp_path / "out"), "--set", "data.seq_len=128"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines

@@ -5,7 +5,8 @@ layout the folder has, and a folder that does not fit the run is refused in one 
 layouts; a run warm-started from the checkpoint or either export, for one step at a learning rate of
 1e-30 (below what moves an fp32 weight; the schema wants one > 0), evaluates on the same held-out row
 exactly as the shared run's last evaluation did, and its first training loss is far below a randomly
-initialized run's."""
+initialized run's. "Learns the new data": the drafter fine-tuned from it on chats of another kind (real
+module text) scores a higher held-out tau on that kind than it did before."""
 
 import json
 
@@ -93,3 +94,47 @@ def test_a_path_that_is_no_drafter_folder_is_refused_in_one_line(trained, tmp_pa
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], lines
+
+
+def source_records(files) -> list[dict]:
+    """Chats asking to continue a standard-library module, answered with the module's real text (up to
+    2,000 characters): data of another kind than the target's own greedy answers the drafter trained on."""
+    records = []
+    for f in files:
+        lines = f.text.splitlines(keepends=True)
+        user = f"Continue the Python module `{f.relpath}`:\n{''.join(lines[:8])}"
+        answer = "".join(lines[8:])[:2000]
+        records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+    return records
+
+
+def test_a_fine_tune_on_new_data_raises_its_held_out_tau_on_that_data(trained, tmp_path):
+    """The shared drafter fine-tuned (drafter.init_from) on chats answered with real module text scores a
+    higher teacher-forced tau on held-out chats of that kind than it did before: the fine-tune starts from
+    the drafter and learns the new data, rather than the run ignoring the folder or starting over. The
+    new data's train and held-out chats are different modules of the tiny target's training split; its
+    features are captured once, as a user fine-tuning on a new domain would."""
+    from dflash_trainer.tiny_target.corpus import load_split
+
+    files = [f for f in load_split("train", limit=120) if len(f.text) > 2500][:44]
+    assert len(files) == 44
+    new_train, new_eval = tmp_path / "new_train.jsonl", tmp_path / "new_eval.jsonl"
+    for path, part in ((new_train, files[:36]), (new_eval, files[36:])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in source_records(part)))
+    data = [f"data.train_files=[{new_train}]", f"data.eval_files=[{new_eval}]", "data.max_eval_rows=4"]
+    config = ["--config", str(trained["root"] / "run" / "run.yaml"), "--no-progress"]
+    sets = [a for s in [*data, "data.features=null", "capture.dtype=float32"] for a in ("--set", s)]
+    captured = in_process("capture", *config, *sets, "--out", str(tmp_path / "features"))
+    assert captured.returncode == 0, captured.stderr
+    features = [f"data.features={tmp_path / 'features'}"]
+    init = f"drafter.init_from={trained['ckpt']}"
+
+    before = in_process(*run_args(trained, tmp_path / "before", *data, *features, init, "train.lr=1e-30"))
+    assert before.returncode == 0, before.stderr
+    steps = ["train.max_steps=80", "train.eval_every=80", "train.save_every=80"]
+    tuned = in_process(*run_args(trained, tmp_path / "tuned", *data, *features, init, *steps))
+    assert tuned.returncode == 0, tuned.stderr
+    tau_before = [m for m in metrics(tmp_path / "before") if "eval_tau" in m][-1]["eval_tau"]
+    tau_after = [m for m in metrics(tmp_path / "tuned") if "eval_tau" in m][-1]["eval_tau"]
+    print(f"held-out tau on the new data: {tau_before:.3f} before, {tau_after:.3f} after 80 fine-tuning steps")
+    assert tau_after > tau_before + 0.1, (tau_before, tau_after)

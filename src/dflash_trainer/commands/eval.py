@@ -221,6 +221,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..model.loading import load_target, load_target_config
 
     budgets = check_budgets(_parse_positive_ints(args.budgets, "--budgets"))
+    if bool(args.data) == bool(args.benchmark):
+        raise EvalInputError("give the held-out data with --data, or named sets with --benchmark NAME=PATH (not both)")
+    if args.temperature is None:
+        args.temperature = 1.0 if args.benchmark else 0.0
     if not 0 <= args.temperature < float("inf"):  # NaN fails it too
         raise EvalInputError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -239,47 +243,57 @@ def run_eval(args: argparse.Namespace) -> int:
     config, tokenizer, _ = load_target_config(target_path)
     specs = [_check_checkpoint(path, meta, config, cfg) for path, meta in zip(checkpoints, metas)]
 
-    # One row set for all checkpoints, so they are compared on the same text; every document must
-    # hold a block of the largest block size.
     out.mkdir(parents=True, exist_ok=True)
-    request = request_for(
-        cfg.data,
-        tokenizer,
-        config.vocab_size,
-        min_tokens=max(s.block_size for s in specs),
-        train_paths=args.data,
-        holdout="none",
-    )
-    data = ensure_prepared(request, tokenizer, root=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
-    data_report = data.report("train")
-    check_report(data_report, cfg.data.max_bad_fraction, out / "data_report.json")
-    rows = data.rows("train")
+    min_tokens = max(s.block_size for s in specs)
 
+    def rows_of(paths: list[str], report_path: Path):
+        """Packed rows of ``paths`` (prepared once, cached), after the bad-record check."""
+        request = request_for(
+            cfg.data, tokenizer, config.vocab_size, min_tokens=min_tokens, train_paths=paths, holdout="none"
+        )
+        data = ensure_prepared(request, tokenizer, root=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
+        report = data.report("train")
+        check_report(report, cfg.data.max_bad_fraction, report_path)
+        return data.rows("train"), report
+
+    # Inputs are checked before the target's weights load: the data's rows, or the benchmarks' records.
+    benchmarks = read_benchmarks(args, cfg) if args.benchmark else []
+    if args.data:  # one row set for all checkpoints, so they are compared on the same text
+        rows, data_report = rows_of(args.data, out / "data_report.json")
     model, _, _ = load_target(cfg.target.model_copy(update={"path": target_path}))
     model.to(device)
+    entry_of = [Checkpoint(p, label, m) for p, label, m in zip(checkpoints, unique_labels(checkpoints), metas)]
+
+    def evaluate(rows):
+        """Every checkpoint on ``rows``: one list of ``CheckpointEntry``."""
+        return evaluate_checkpoints(
+            model,
+            entry_of,
+            rows,
+            # checks the drafter again, against the loaded weights' shapes
+            lambda path, target: load_any_drafter(path, target)[0],
+            budgets=budgets,
+            max_blocks_per_row=max_blocks,
+            seed=args.seed,
+            attention_backend=cfg.drafter.attention_backend,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            # only sampling stops at eos: a greedy evaluation does not need the target to have one
+            eos_ids=eos_ids(model, tokenizer) if args.temperature > 0 else (),
+            sample_prompts=sample_prompts,
+            max_new_tokens=max_new_tokens,
+            log=lambda line: print(line, flush=True),
+        )
+
+    if benchmarks:
+        return _run_benchmarks(args, cfg, out, benchmarks, model, tokenizer, target_path, rows_of, evaluate, budgets)
+
     print(
         f"data: {data_report.n_documents} documents ({data_report.n_tokens:,} tokens), {data_report.n_bad} bad "
         f"records skipped; {len(rows)} rows of {cfg.data.seq_len} tokens; target {target_path} on {device}",
         flush=True,
     )
-    entries = evaluate_checkpoints(
-        model,
-        [Checkpoint(p, label, m) for p, label, m in zip(checkpoints, unique_labels(checkpoints), metas)],
-        rows,
-        # checks the drafter again, against the loaded weights' shapes
-        lambda path, target: load_any_drafter(path, target)[0],
-        budgets=budgets,
-        max_blocks_per_row=max_blocks,
-        seed=args.seed,
-        attention_backend=cfg.drafter.attention_backend,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        # only sampling stops at eos: a greedy evaluation does not need the target to have one
-        eos_ids=eos_ids(model, tokenizer) if args.temperature > 0 else (),
-        sample_prompts=sample_prompts,
-        max_new_tokens=max_new_tokens,
-        log=lambda line: print(line, flush=True),
-    )
+    entries = evaluate(rows)
 
     result = {
         "format": REPORT_FORMAT,
@@ -301,6 +315,183 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_benchmarks(args: argparse.Namespace, cfg) -> list[dict]:
+    """Each ``--benchmark NAME=PATH``'s records (``inference.benchmarks.read_benchmark``), read before the
+    target loads so that a bad path or a set with no usable record fails in seconds."""
+    from ..inference.benchmarks import parse_benchmark_spec, read_benchmark
+
+    benchmarks = []
+    for spec in args.benchmark:
+        name, path = parse_benchmark_spec(spec)
+        if name in {b["name"] for b in benchmarks}:
+            raise EvalInputError(f"--benchmark {name} is given twice")
+        records, generate, bad = read_benchmark(path, cfg.data.columns, args.prompt_key, cfg.data.max_record_bytes)
+        if not records:
+            reasons = sorted({b.reason for b in bad}) or ["the set is empty"]
+            raise EvalInputError(f"--benchmark {name}={path}: no usable record ({'; '.join(reasons[:3])})")
+        benchmarks.append({"name": name, "path": path, "records": records, "generate": generate, "bad": len(bad)})
+    return benchmarks
+
+
+def _answer_prompts(benchmark: dict, model, tokenizer, out: Path, max_new_tokens: int) -> Path:
+    """``OUT/benchmarks/NAME.jsonl``: the benchmark's records, its prompts-only records answered by the
+    target's greedy continuation (``regenerate``'s code) of at most ``max_new_tokens`` tokens."""
+    from ..inference.benchmarks import record_json
+    from ..inference.regenerate import regenerate_records, source_of
+
+    records, generate = benchmark["records"], benchmark["generate"]
+    todo = [r for r, g in zip(records, generate) if g]
+    skipped = []
+    answered = iter(
+        regenerate_records(
+            todo, model, tokenizer, max_new_tokens=max_new_tokens, batch_size=8, progress=False, on_skip=skipped.append
+        )
+    )
+    answers = {}
+    for record in answered:
+        answers[record["source"]] = record
+    lines = []
+    for record, needs in zip(records, generate):
+        if not needs:
+            lines.append(record_json(record))
+            continue
+        done = answers.get(source_of(record))
+        if done is not None:
+            lines.append({k: v for k, v in done.items() if k != "source"})
+    path = out / "benchmarks" / f"{benchmark['name']}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in lines)))
+    benchmark.update(generated=len(answers), generation_skipped=len(skipped))
+    if todo:
+        print(
+            f"{benchmark['name']}: the target answered {len(answers)} of {len(todo)} prompts-only records "
+            f"(greedy, up to {max_new_tokens} tokens; {len(skipped)} skipped) -> {path}",
+            flush=True,
+        )
+    return path
+
+
+def format_benchmark_table(benchmarks: list[dict], overall: dict) -> str:
+    """One line per (benchmark, checkpoint) and per checkpoint overall: blocks, chain tau, decode-path
+    tau, DDTree tau per budget, and tau(T) expected and measured where sampled."""
+    budgets = benchmarks[0]["checkpoints"][0]["report"]["budgets"]
+    labels = [e["label"] for e in benchmarks[0]["checkpoints"]]
+    bw = max(9, *(len(b["name"]) for b in benchmarks))
+    cw = max(10, *(len(label) for label in labels))
+    t = benchmarks[0]["checkpoints"][0]["report"].get("sampling", {}).get("temperature")
+    sampled = f"  {'T=' + format(t, 'g') + ' exp':>9}  {'T=' + format(t, 'g') + ' meas':>10}" if t else ""
+    head = f"{'benchmark':<{bw}}  {'checkpoint':<{cw}}  {'blocks':>6}  {'chain':>6}  {'decode':>6}  "
+    lines = [head + "  ".join(f"{'T@' + str(b):>6}" for b in budgets) + sampled]
+
+    def num(value, width=6):
+        return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
+
+    def line(name, label, r, expected, measured):
+        text = f"{name:<{bw}}  {label:<{cw}}  {r['blocks']:>6}  {num(r['tau'])}  {num(r.get('decode_tau'))}  "
+        text += "  ".join(num(x) for x in r["ddtree_tau"])
+        return text + (f"  {num(expected, 9)}  {num(measured, 10)}" if t else "")
+
+    for b in benchmarks:
+        for e in b["checkpoints"]:
+            s = e["report"].get("sampling")
+            ex = s["expected"]["tau"] if s else None
+            me = s["measured"]["chain"]["tau"] if s else None
+            lines.append(line(b["name"], e["label"], e["report"], ex, me))
+    for label in labels:
+        o = overall[label]
+        s = o.get("sampling") or {}
+        lines.append(line("overall", label, o, s.get("expected_tau"), s.get("measured_tau")))
+    return "\n".join(lines)
+
+
+def plot_benchmarks(benchmarks: list[dict], overall: dict, path: Path) -> None:
+    """Chain tau per benchmark and overall, one bar per checkpoint: greedy (solid) and, where sampled,
+    measured at T (hatched)."""
+    from matplotlib.figure import Figure
+
+    names = [b["name"] for b in benchmarks] + ["overall"]
+    labels = [e["label"] for e in benchmarks[0]["checkpoints"]]
+    t = benchmarks[0]["checkpoints"][0]["report"].get("sampling", {}).get("temperature")
+    bars = len(labels) * (2 if t else 1)
+    width = 0.8 / bars
+    fig = Figure(figsize=(max(6.0, 1.4 * len(names) * max(1, bars / 2)), 4.2), layout="constrained")
+    ax = fig.subplots()
+    for i, label in enumerate(labels):
+        greedy, sampled = [], []
+        for b in benchmarks:
+            r = next(e["report"] for e in b["checkpoints"] if e["label"] == label)
+            greedy.append(r["tau"])
+            sampled.append(r["sampling"]["measured"]["chain"]["tau"] if t else None)
+        o = overall[label]
+        greedy.append(o["tau"])
+        sampled.append(o.get("sampling", {}).get("measured_tau"))
+        k = i * (2 if t else 1)
+        xs = [x + (k - (bars - 1) / 2) * width for x in range(len(names))]
+        ax.bar(xs, greedy, width, color=f"C{i % 10}", label=f"{label} T=0")
+        if t:
+            xs = [x + width for x in xs]
+            values = [float("nan") if v is None else v for v in sampled]
+            ax.bar(xs, values, width, color=f"C{i % 10}", alpha=0.5, hatch="//", label=f"{label} T={t:g} measured")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("chain tau (tokens per target pass)")
+    ax.set_title("Acceptance length per benchmark")
+    ax.grid(alpha=0.3, axis="y")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+
+
+def _run_benchmarks(args, cfg, out, benchmarks, model, tokenizer, target_path, rows_of, evaluate, budgets) -> int:
+    """``eval --benchmark``: each set answered where it is prompts only, prepared, scored by every
+    checkpoint; report.json's ``benchmarks`` and ``overall``, a table and ``tau_by_benchmark.png``."""
+    from ..config import write_resolved_config
+    from ..inference.benchmarks import overall
+
+    max_new_tokens = _parse_positive_int(args.max_new_tokens, "--max-new-tokens")
+    results = []
+    for b in benchmarks:
+        path = _answer_prompts(b, model, tokenizer, out, max_new_tokens)
+        rows, report = rows_of([str(path)], out / "benchmarks" / f"{b['name']}.data_report.json")
+        print(
+            f"{b['name']}: {report.n_documents} documents ({report.n_tokens:,} tokens), {b['bad']} bad records "
+            f"skipped; {len(rows)} rows of {cfg.data.seq_len} tokens",
+            flush=True,
+        )
+        entries = evaluate(rows)
+        results.append(
+            {
+                "name": b["name"],
+                "path": b["path"],
+                "documents": report.n_documents,
+                "bad_records": b["bad"],
+                "generated": b.get("generated", 0),
+                "rows": len(rows),
+                "checkpoints": entries,
+            }
+        )
+    labels = [e["label"] for e in results[0]["checkpoints"]]
+    totals = {
+        label: overall([next(e["report"] for e in r["checkpoints"] if e["label"] == label) for r in results])
+        for label in labels
+    }
+    result = {
+        "format": REPORT_FORMAT,
+        "target": target_path,
+        "seq_len": cfg.data.seq_len,
+        "max_blocks_per_row": int(args.max_blocks_per_row),
+        "seed": args.seed,
+        "budgets": budgets,
+        "temperature": args.temperature,
+        "benchmarks": results,
+        "overall": totals,
+    }
+    atomic_write_json(out / "report.json", result)
+    plot_benchmarks(results, totals, out / "tau_by_benchmark.png")
+    write_resolved_config(cfg, out)
+    print(format_benchmark_table(results, totals))
+    print(f"wrote {out / 'report.json'}, {out / 'tau_by_benchmark.png'}")
+    return 0
+
+
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eval`` on the main CLI's sub-parsers; its ``func`` is ``run_eval``."""
     p = subparsers.add_parser(
@@ -319,9 +510,24 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         action="append",
-        required=True,
+        default=[],
         metavar="FILE_OR_DIR",
         help="held-out JSONL (chat or pre-tokenized records), or a folder of *.jsonl; repeatable",
+    )
+    p.add_argument(
+        "--benchmark",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a named benchmark set (JSONL / Parquet / datasets folder), scored on its own and in an overall "
+        "line; repeatable, instead of --data. Prompts-only records are answered by the target first",
+    )
+    p.add_argument(
+        "--prompt-key",
+        default="prompt",
+        metavar="KEY",
+        help="--benchmark records without a conversation take their user turn from this column (default "
+        "prompt; question for gsm8k, problem for math500)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     p.add_argument(
@@ -335,9 +541,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--temperature",
         type=float,
-        default=0.0,
+        default=None,
         metavar="T",
-        help="also report tau(T) under speculative sampling, expected and measured (default 0: greedy only)",
+        help="also report tau(T) under speculative sampling, expected and measured (default: 0, greedy only, "
+        "with --data; 1 with --benchmark, so both T = 0 and T = 1 are reported)",
     )
     p.add_argument(
         "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling with --temperature (default 1)"

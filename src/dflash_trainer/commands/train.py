@@ -20,6 +20,7 @@ from ..training.checkpoint import read_counters
 from ..training.distributed import check_launch, launched_world
 from ..training.optim import resolve_epochs
 from ..training.setup import prepare
+from ..training.trackers import resolve_trackers
 from ..training.trainer import RowStream, Trainer
 
 
@@ -28,6 +29,7 @@ def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = 
     out = Path(cfg.output_dir)
     # The launch must match the topology, on every rank, before anything is loaded.
     check_launch(cfg, launched_world())
+    resolve_trackers(cfg.train.trackers)  # a named tracker that is not installed: one line, before loading
     # Plan this run before the target or the data are loaded: refuse what will not fit, and fill in the
     # loss chunk the planner derives (so run.yaml records it). topology.preflight=false overrides.
     cfg = preflight(cfg)

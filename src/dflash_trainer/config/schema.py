@@ -310,6 +310,14 @@ class TrainConfig(Section):
     eval_every: int = Field(200, ge=1, description="steps between held-out evaluations (loss, tau)")
     save_every: int = Field(500, ge=1, description="steps between checkpoints (the last step is always saved)")
     max_consecutive_nonfinite: int = Field(10, ge=1, description="stop after this many non-finite steps in a row")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] | None = Field(
+        None,
+        description="experiment trackers that get every metrics.jsonl record, any subset (each an extra: pip "
+        "install 'dflash-trainer[wandb]'); null = tensorboard where installed, [] = none (training/trackers.py)",
+    )
+    tracker_project: str = Field(
+        "dflash-trainer", min_length=1, description="the wandb / trackio project and the MLflow experiment"
+    )
 
 
 class TopologyConfig(Section):

@@ -124,7 +124,7 @@ def parse_record(obj, source: str, line: int, columns: dict[str, str] | None = N
     return Record(source, line, messages=messages, extra=extra)
 
 
-def _decode_line(raw: bytes, max_record_bytes: int):
+def decode_line(raw: bytes, max_record_bytes: int):
     """The JSON value of one line (bytes, without the BOM), or ``BadLine`` with the reason it is bad."""
     if len(raw) > max_record_bytes:
         return BadLine(f"record too large: {len(raw):,} bytes > data.max_record_bytes {max_record_bytes:,}")
@@ -160,7 +160,7 @@ def decode_record(
         )
     obj = raw.payload
     if isinstance(obj, bytes):
-        obj = _decode_line(obj, max_record_bytes)
+        obj = decode_line(obj, max_record_bytes)
         if isinstance(obj, BadLine):
             return BadRecord(raw.source, raw.line, obj.reason)
     return parse_record(obj, raw.source, raw.line, columns)

@@ -144,6 +144,8 @@ RESUME_MAY_CHANGE = (
     "train.eval_every",
     "train.save_every",
     "train.max_consecutive_nonfinite",
+    "train.trackers",
+    "train.tracker_project",
     "data.max_eval_rows",
     "data.max_bad_fraction",
     "data.max_record_bytes",

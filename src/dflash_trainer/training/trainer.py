@@ -51,6 +51,8 @@ from .checkpoint import (
 from .distributed import StepPlan
 from .optim import Optimizers, muon_matrices, resolve_epochs
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
+from .trackers import STATE_FILE as TRACKER_STATE
+from .trackers import Trackers, resolve_trackers, tracker_run_name
 from .warm_start import warm_start
 
 EVAL_SEED = 1234  # anchors of the periodic evaluation: the same blocks at every evaluation
@@ -216,7 +218,7 @@ class Trainer:
             else StepPlan(self.stream, len(train_rows), cfg.drafter.block_span, cfg.train.grad_accum)
         )
         self.stop_requested = None
-        self.tb = None
+        self.trackers: Trackers | None = None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -263,10 +265,8 @@ class Trainer:
                 f"cannot append to {self.out_dir / 'metrics.jsonl'}: {exc.strerror or exc}; "
                 "free space and continue with --resume auto"
             ) from None
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, record["step"])
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def evaluate(self) -> dict:
         """Chain acceptance on the held-out rows (the same blocks every time), with the run's backend."""
@@ -398,6 +398,7 @@ class Trainer:
             shutil.rmtree(old_checkpoints)
         if path is None:
             (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            (out_dir / TRACKER_STATE).unlink(missing_ok=True)  # a fresh run starts new tracker runs
             return None
         changes = config_changes(path, cfg)
         if changes:
@@ -435,13 +436,15 @@ class Trainer:
     def run(self) -> dict:
         """The loop from the current step to ``train.max_steps`` (state already loaded or fresh)."""
         cfg = self.cfg
-        if self.is_writer:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.tb = None
+        if self.is_writer:  # a fresh run is at step 0; a resumed one continues its tracker runs
+            self.trackers = Trackers(
+                resolve_trackers(cfg.train.trackers),
+                self.out_dir,
+                tracker_run_name(cfg),
+                cfg.train.tracker_project,
+                cfg.model_dump(mode="json"),
+                resume_step=self.c.step or None,
+            )
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         bar = tqdm(
             total=cfg.train.max_steps,
@@ -507,6 +510,7 @@ class Trainer:
             bar.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if self.tb is not None:
-                self.tb.close()
+            if self.trackers is not None:
+                self.trackers.close()
+                self.trackers = None
         return last_eval
