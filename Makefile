@@ -12,9 +12,6 @@ TORCH_SPEC ?= torch==2.13.0
 # venvs' interpreters), and the extra worker fills it (measured on 2 cores: 2 workers kept 1.66 cores
 # busy, 12 min 13 s; 3 workers 1.95 cores, 10 min 22 s).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print((os.cpu_count() or 1) + 1)")
-# --no-compile: pip would byte-compile every module it installs, one process, ~3 CPU-s per 1,000 files
-# (17,500 here: about a minute of a fresh `make test`); Python compiles what is imported, once, instead.
-PIP    := $(PY) -m pip install --quiet --no-compile
 
 .PHONY: demo test docs docs-serve clean
 
@@ -22,22 +19,22 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch: | $(PY)
-	$(PIP) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) -e .
+	$(PY) -m pip install --quiet -e .
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(PIP) -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
 # The loss's Triton kernel is tested on the CPU under Triton's interpreter (tests/test_loss_triton.py).
 # PyPI's CUDA torch wheels bring their own triton; the +cpu wheel does not: install the tested release
 # only where none imports. Where it cannot be installed the tests say so and are skipped.
 $(VENV)/.triton: $(VENV)/.torch
-	$(PY) -c "import triton, numpy" 2>/dev/null || $(PIP) "triton==3.7.1" numpy || \
+	$(PY) -c "import triton, numpy" 2>/dev/null || $(PY) -m pip install --quiet "triton==3.7.1" numpy || \
 		echo "make: triton could not be installed here; tests/test_loss_triton.py will be skipped"
 	touch $@
 
@@ -52,7 +49,7 @@ test: $(VENV)/.installed-test $(VENV)/.triton
 
 # The docs site (mkdocs.yml): strict, so a broken link fails; tests/test_docs.py builds it in `make test` too.
 $(VENV)/.installed-docs: pyproject.toml $(VENV)/.torch
-	$(PIP) -e ".[docs]"
+	$(PY) -m pip install --quiet -e ".[docs]"
 	touch $@
 
 docs: $(VENV)/.installed-docs

