@@ -286,7 +286,20 @@ def run_eval(args: argparse.Namespace) -> int:
         )
 
     if benchmarks:
-        return _run_benchmarks(args, cfg, out, benchmarks, model, tokenizer, target_path, rows_of, evaluate, budgets)
+        return _run_benchmarks(
+            args,
+            cfg,
+            out,
+            benchmarks,
+            model,
+            tokenizer,
+            target_path,
+            rows_of,
+            evaluate,
+            budgets,
+            max_new_tokens,
+            max_blocks,
+        )
 
     print(
         f"data: {data_report.n_documents} documents ({data_report.n_tokens:,} tokens), {data_report.n_bad} bad "
@@ -342,14 +355,10 @@ def _answer_prompts(benchmark: dict, model, tokenizer, out: Path, max_new_tokens
     records, generate = benchmark["records"], benchmark["generate"]
     todo = [r for r, g in zip(records, generate) if g]
     skipped = []
-    answered = iter(
-        regenerate_records(
-            todo, model, tokenizer, max_new_tokens=max_new_tokens, batch_size=8, progress=False, on_skip=skipped.append
-        )
+    answered = regenerate_records(
+        todo, model, tokenizer, max_new_tokens=max_new_tokens, batch_size=8, progress=False, on_skip=skipped.append
     )
-    answers = {}
-    for record in answered:
-        answers[record["source"]] = record
+    answers = {record["source"]: record for record in answered}
     lines = []
     for record, needs in zip(records, generate):
         if not needs:
@@ -361,7 +370,7 @@ def _answer_prompts(benchmark: dict, model, tokenizer, out: Path, max_new_tokens
     path = out / "benchmarks" / f"{benchmark['name']}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in lines)))
-    benchmark.update(generated=len(answers), generation_skipped=len(skipped))
+    benchmark["generated"] = len(answers)
     if todo:
         print(
             f"{benchmark['name']}: the target answered {len(answers)} of {len(todo)} prompts-only records "
@@ -440,13 +449,14 @@ def plot_benchmarks(benchmarks: list[dict], overall: dict, path: Path) -> None:
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
-def _run_benchmarks(args, cfg, out, benchmarks, model, tokenizer, target_path, rows_of, evaluate, budgets) -> int:
+def _run_benchmarks(
+    args, cfg, out, benchmarks, model, tokenizer, target_path, rows_of, evaluate, budgets, max_new_tokens, max_blocks
+) -> int:
     """``eval --benchmark``: each set answered where it is prompts only, prepared, scored by every
     checkpoint; report.json's ``benchmarks`` and ``overall``, a table and ``tau_by_benchmark.png``."""
     from ..config import write_resolved_config
     from ..inference.benchmarks import overall
 
-    max_new_tokens = _parse_positive_int(args.max_new_tokens, "--max-new-tokens")
     results = []
     for b in benchmarks:
         path = _answer_prompts(b, model, tokenizer, out, max_new_tokens)
@@ -477,7 +487,7 @@ def _run_benchmarks(args, cfg, out, benchmarks, model, tokenizer, target_path, r
         "format": REPORT_FORMAT,
         "target": target_path,
         "seq_len": cfg.data.seq_len,
-        "max_blocks_per_row": int(args.max_blocks_per_row),
+        "max_blocks_per_row": max_blocks,
         "seed": args.seed,
         "budgets": budgets,
         "temperature": args.temperature,

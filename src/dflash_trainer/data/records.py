@@ -124,7 +124,7 @@ def parse_record(obj, source: str, line: int, columns: dict[str, str] | None = N
     return Record(source, line, messages=messages, extra=extra)
 
 
-def decode_line(raw: bytes, max_record_bytes: int):
+def _decode_line(raw: bytes, max_record_bytes: int):
     """The JSON value of one line (bytes, without the BOM), or ``BadLine`` with the reason it is bad."""
     if len(raw) > max_record_bytes:
         return BadLine(f"record too large: {len(raw):,} bytes > data.max_record_bytes {max_record_bytes:,}")
@@ -150,20 +150,27 @@ def decode_line(raw: bytes, max_record_bytes: int):
     return obj
 
 
-def decode_record(
-    raw: RawRecord | OversizedLine, max_record_bytes: int, columns: dict[str, str] | None = None
-) -> Record | BadRecord:
-    """A record from ``sources`` as a ``Record``, or the ``BadRecord`` that says why it is not one."""
+def decode_payload(raw: RawRecord | OversizedLine, max_record_bytes: int):
+    """The decoded JSON value (or table row) of a record from ``sources``, or the ``BadRecord`` that says
+    why it has none (too large, not UTF-8, not JSON)."""
     if isinstance(raw, OversizedLine):
         return BadRecord(
             raw.source, raw.line, f"record too large: {raw.size:,} bytes > data.max_record_bytes {max_record_bytes:,}"
         )
     obj = raw.payload
     if isinstance(obj, bytes):
-        obj = decode_line(obj, max_record_bytes)
+        obj = _decode_line(obj, max_record_bytes)
         if isinstance(obj, BadLine):
             return BadRecord(raw.source, raw.line, obj.reason)
-    return parse_record(obj, raw.source, raw.line, columns)
+    return obj
+
+
+def decode_record(
+    raw: RawRecord | OversizedLine, max_record_bytes: int, columns: dict[str, str] | None = None
+) -> Record | BadRecord:
+    """A record from ``sources`` as a ``Record``, or the ``BadRecord`` that says why it is not one."""
+    obj = decode_payload(raw, max_record_bytes)
+    return obj if isinstance(obj, BadRecord) else parse_record(obj, raw.source, raw.line, columns)
 
 
 def iter_records(

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..data.records import BadLine, BadRecord, Record, decode_line, parse_record
-from ..data.sources import OversizedLine, expand_paths, iter_raw_records
+from ..data.records import BadRecord, Record, decode_payload, parse_record
+from ..data.sources import expand_paths, iter_raw_records
 from ..errors import UserError
 
 NO_ASSISTANT = "no assistant turn"
@@ -67,12 +67,9 @@ def read_benchmark(path: str, columns: dict[str, str], prompt_key: str, max_reco
         raise UserError(f"--benchmark {path}: no such file or folder")
     records, generate, bad = [], [], []
     for raw in iter_raw_records(expand_paths([path]), max_record_bytes):
-        if isinstance(raw, OversizedLine):
-            bad.append(BadRecord(raw.source, raw.line, f"record too large: {raw.size:,} bytes"))
-            continue
-        obj = decode_line(raw.payload, max_record_bytes) if isinstance(raw.payload, bytes) else raw.payload
-        if isinstance(obj, BadLine):
-            bad.append(BadRecord(raw.source, raw.line, obj.reason))
+        obj = decode_payload(raw, max_record_bytes)
+        if isinstance(obj, BadRecord):
+            bad.append(obj)
             continue
         record, needs = benchmark_record(obj, raw.source, raw.line, columns, prompt_key)
         if isinstance(record, BadRecord):

@@ -28,21 +28,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import secrets
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import UserError
 from ..io import atomic_write_json
 
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
-# the module each needs, and the extra that installs it
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 STATE_FILE = "trackers.json"
 
 
 def installed(name: str) -> bool:
-    return importlib.util.find_spec(_PACKAGES[name]) is not None
+    """Whether tracker ``name``'s package (of the same name, installed by the extra of that name) imports."""
+    return importlib.util.find_spec(name) is not None
 
 
 def resolve_trackers(names: Iterable[str] | None) -> list[str]:
@@ -73,9 +73,7 @@ def scalars(record: dict, prefix: str = "") -> dict[str, float]:
         if not prefix and key == "step":
             continue
         name = f"{prefix}{key}"
-        if isinstance(value, bool):
-            out[name] = float(value)
-        elif isinstance(value, (int, float)):
+        if isinstance(value, (bool, int, float)):
             out[name] = float(value)
         elif isinstance(value, (list, tuple)):
             out.update(scalars({str(i): v for i, v in enumerate(value)}, f"{name}/"))
@@ -95,8 +93,12 @@ def _flat_config(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+# Each tracker: (out folder, run name, project, config, its entry of trackers.json, resume step or None);
+# ``state`` is what a resumed run needs to reopen the same tracker run.
+
+
 class _TensorBoard:
-    def __init__(self, out_dir: Path, name: str, config: dict, state: dict, resume_step: int | None):
+    def __init__(self, out_dir: Path, name: str, project: str, config: dict, state: dict, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: on reload, TensorBoard drops the events of the steps this run logs again
@@ -116,7 +118,7 @@ class _TensorBoard:
 
 
 class _Wandb:
-    def __init__(self, out_dir: Path, name: str, config: dict, state: dict, project: str):
+    def __init__(self, out_dir: Path, name: str, project: str, config: dict, state: dict, resume_step: int | None):
         import wandb
 
         state.setdefault("id", secrets.token_hex(4))  # wandb ids: 8 characters of [a-z0-9]
@@ -135,7 +137,6 @@ class _Wandb:
                 f"wandb: {str(exc).splitlines()[0]}; run `wandb login`, or set WANDB_MODE=offline "
                 "and `wandb sync` the run folder later"
             ) from None
-        state["dir"] = self.run.dir
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -145,9 +146,7 @@ class _Wandb:
 
 
 class _MLflow:
-    def __init__(self, out_dir: Path, name: str, config: dict, state: dict, project: str):
-        import os
-
+    def __init__(self, out_dir: Path, name: str, project: str, config: dict, state: dict, resume_step: int | None):
         from mlflow.tracking import MlflowClient
 
         default = f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
@@ -168,8 +167,6 @@ class _MLflow:
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def log(self, values: dict[str, float], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -182,10 +179,10 @@ class _MLflow:
 
 
 class _Trackio:
-    def __init__(self, out_dir: Path, name: str, config: dict, state: dict, project: str):
+    def __init__(self, out_dir: Path, name: str, project: str, config: dict, state: dict, resume_step: int | None):
         import trackio
 
-        state.update(project=project, name=name)
+        # resume="allow": the run of this name in this project continues, so trackers.json needs nothing
         self.run = trackio.init(
             project=project,
             name=name,
@@ -201,6 +198,9 @@ class _Trackio:
 
     def close(self) -> None:
         self.run.finish()
+
+
+_OPEN = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow, "trackio": _Trackio}
 
 
 class Trackers:
@@ -220,11 +220,7 @@ class Trackers:
         try:
             for tracker in names:
                 state = states.setdefault(tracker, {})
-                if tracker == "tensorboard":
-                    self.open[tracker] = _TensorBoard(self.out_dir, name, config, state, resume_step)
-                else:
-                    cls = {"wandb": _Wandb, "mlflow": _MLflow, "trackio": _Trackio}[tracker]
-                    self.open[tracker] = cls(self.out_dir, name, config, state, project)
+                self.open[tracker] = _OPEN[tracker](self.out_dir, name, project, config, state, resume_step)
         except BaseException:
             self.close()
             raise
