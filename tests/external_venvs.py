@@ -122,3 +122,28 @@ def vllm_cache() -> Path:
     keeps there for these runs (what it inspected of each model class, in a subprocess per class when
     missing) is keyed by its own source files, and goes when the venv is rebuilt."""
     return ROOT / ".venv" / "vllm" / "cache"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, server, log: Path, timeout: float = 600) -> None:
+    """Return once the vLLM server process ``server`` answers ``URL/health``; fail with its log's tail
+    when it exits first."""
+    import time
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and server.poll() is None:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    assert server.poll() is None, log.read_text()[-3000:]

@@ -4,15 +4,12 @@ bad-record handling and resume as the transformers engine, from the token ids tr
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from external_venvs import vllm_cache, vllm_python
+from external_venvs import free_port, vllm_cache, vllm_python, wait_until_healthy
 
 from dflash_trainer.data.chat import tokenize_conversation
 from dflash_trainer.inference.regenerate import _Generator
@@ -111,12 +108,6 @@ def test_engine_vllm_equals_transformers_engine_and_resumes(setup):
     assert 0 < report["new_tokens"] < ref["new_tokens"]  # only the generated records' tokens
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_engine_equals_transformers_engine(setup):
     python, root, port = setup["python"], setup["root"], free_port()
     target = str(tiny_target_path().resolve())
@@ -126,14 +117,7 @@ def test_server_engine_equals_transformers_engine(setup):
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(python, vllm_cache()))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline and server.poll() is None:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        assert server.poll() is None, (root / "server.log").read_text()[-3000:]
+        wait_until_healthy(url, server, root / "server.log")
         out = root / "server.jsonl"
         run = generate(setup["input"], out, "--server", url)
         assert run.returncode == 0, run.stdout + run.stderr[-3000:]

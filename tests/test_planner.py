@@ -223,7 +223,8 @@ def test_baseline_fits_and_bigger_runs_get_a_recommendation():
     big = plan_for_config(cfg, gpu="l40s")
     assert not big.fits
     text = render_text(big)
-    assert "DOES NOT FIT" in text and "target's weights alone do not fit" in text
+    assert "DOES NOT FIT" in text and "the target's weights (" in text and "do not fit one" in text
+    assert "capture its features with vLLM over 2 GPUs" in text  # 51 GB of bf16 weights, 70% of 48 GB each
     more = plan_for_config(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_anchors": 4096})}))
     assert not more.fits and any("largest that fits: data.max_anchors=" in r for r in more.recommendations)
 
@@ -282,6 +283,53 @@ def test_plan_command_text_and_json(capsys):
         "--naive",
     )
     assert code == 0 and "WITHOUT this project's fixes" in out
+
+
+# Qwen3-235B-A22B's config (its shapes only): 470 GB of bf16 weights, more than any one GPU
+QWEN3_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_a_target_larger_than_one_gpu_gets_a_vllm_layout_and_the_window_its_disk(capsys, tmp_path):
+    """The vLLM layout: the fewest power-of-two GPUs holding the weights within 70% of each (470 GB:
+    8 of 96 GB, 2 of 400 GB), the drafter alone from the cache; capture vs drafter tokens/s; and a
+    window of N shards prices N shards (one 3.2 GB row per 1 GiB shard here) instead of the cache."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_235B))
+    argv = [
+        "--config",
+        "ddtree-experiment",
+        "--target",
+        str(tmp_path / "config.json"),
+        "--set",
+        "data.feature_window=8",
+    ]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and "DOES NOT FIT: target GPU" in out
+    assert "capture its features with vLLM over 8 GPUs (capture.vllm.tensor_parallel_size=8," in out
+    assert "the drafter GPU alone peaks at" in out and "GB and fits" in out
+    assert "with vLLM capturing" in out and "one server of 8 GPUs" in out
+    code, out, _ = run_cli(capsys, *argv, "--gpu", "400")
+    assert "capture its features with vLLM over 2 GPUs" in out
+    code, out, _ = run_cli(capsys, *argv, "--json")
+    cap = json.loads(out)["capture"]
+    per_row = cap["bytes_per_row"][cap["storage_dtype"]]
+    assert per_row > 1 << 30 and cap["window_bytes"] == 8 * per_row  # capture.shard_bytes 1 GiB: one row per shard
+    assert f"at most {8 * per_row / 1e9:,.1f} GB of training shards on disk" in run_cli(capsys, *argv)[1]
 
 
 @pytest.mark.parametrize(

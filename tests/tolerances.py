@@ -311,3 +311,14 @@ def float64_forward_error(layers: int, inner: int, amplification: float = 1e3) -
     1e3; the test's subject, a wrong mask or position, moves logits by 1e-3 relative or more, twelve
     orders of magnitude above the resulting ~1e-10)."""
     return 2 * layers * amplification * gamma(inner, torch.float64)
+
+
+def float32_forward_error(layers: int, inner: int, amplification: float = 10.0) -> float:
+    """Relative bound (to the output's magnitude) for two float32 evaluations of one network that differ
+    only in kernels and operation order (vLLM's CPU kernels and transformers'): each layer's GEMMs,
+    attention sums and norms round within gamma_inner relative of their absolute values, twice over (both
+    sides), compounding through ``layers`` layers by at most ``amplification`` each (these tiny models'
+    RMS norms, softmax and residual sums; ``float64_forward_error`` allows 1e3 where its subject, a mask,
+    is twelve orders above it). A wrong layer (the off-by-one trap), position or norm moves features by
+    1e-1 relative or more; the tests show that gap against this bound."""
+    return 2 * layers * amplification * gamma(inner, torch.float32)

@@ -13,11 +13,12 @@ from ..errors import UserError
 from ..export.semantics import config_mismatches
 from ..io import atomic_write_json
 from ..model.loading import load_target_config
-from ..model.target import config_embedding_scale, default_layer_ids
+from ..model.target import config_embedding_scale
 from ..planner.preflight import preflight
 from ..training import distributed
 from ..training.checkpoint import read_counters
 from ..training.distributed import check_launch, launched_world
+from ..training.offline import run_layer_ids
 from ..training.optim import resolve_epochs
 from ..training.setup import prepare
 from ..training.trackers import resolve_trackers
@@ -186,6 +187,7 @@ def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite
     import torch
 
     from ..features.store import FeatureStore
+    from ..features.window import Unreleased, WindowedStore, finish_window, open_window, released_shards
     from ..model.loading import load_target_head, target_identity
     from ..training.offline import CachedFeed, cache_mismatches
 
@@ -198,7 +200,10 @@ def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     writer = layout.drafter_index == 0
     try:
-        store = FeatureStore(cfg.data.features)  # complete, sizes and checksums, before any weight is read
+        if cfg.data.feature_window:  # read while capture writes it: the plan now, each shard when it is done
+            store = WindowedStore(cfg.data.features, cfg.data.feature_window, cfg.data.feature_window_timeout_s)
+        else:
+            store = FeatureStore(cfg.data.features)  # complete, sizes and checksums, before any weight is read
         target, tokenizer, _ = load_target_head(cfg.target, layer_ids=store.settings["layer_ids"])
         problems = cache_mismatches(cfg, store, target_identity(cfg.target, target), tokenizer)
         if problems:
@@ -208,23 +213,57 @@ def run_offline(cfg: RunConfig, *, resume: str | None, progress: bool, overwrite
             )
         train_rows, eval_rows = store.rows("train"), store.rows("eval")
         cfg = resolve_epochs(cfg, len(train_rows))
+        if cfg.data.feature_window:
+            check_window(cfg, len(train_rows), store.rows_per_shard)
         if writer:
             write_resolved_config(cfg, out)
             warn_unservable(cfg)
             m = store.manifest
+            size = (
+                f"a window of {cfg.data.feature_window} shards of {store.rows_per_shard} rows"
+                if cfg.data.feature_window
+                else f"{m['bytes'] / 1e6:,.1f} MB"
+            )
             print(
-                f"data: feature cache {cfg.data.features} ({m['bytes'] / 1e6:,.1f} MB, {store.storage}): "
+                f"data: feature cache {cfg.data.features} ({size}, {store.storage}): "
                 f"{len(train_rows)} training and {len(eval_rows)} held-out rows of {cfg.data.seq_len} tokens; "
                 "no target body loaded",
                 flush=True,
             )
-        start = _agreed_start(cfg, resume, overwrite, train_rows, eval_rows, writer=writer, src=0)
-        stream = RowStream(train_rows, cfg.train.seed)
+        checked = train_rows  # what the start checks may read: with a window, not the released shards
+        if cfg.data.feature_window:
+            checked = Unreleased(train_rows, released_shards(store.folder) * store.rows_per_shard)
+        start = _agreed_start(cfg, resume, overwrite, checked, eval_rows, writer=writer, src=0)
+        stream = RowStream(train_rows, cfg.train.seed, store.rows_per_shard if cfg.data.feature_window else None)
         dtype = getattr(torch, cfg.target.dtype)
         feed = CachedFeed(cfg, store, stream, layout, device, dtype, rows_consumed=start["rows_consumed"])
-        return _train_fed(cfg, target, tokenizer, train_rows, eval_rows, feed, group, start, progress=progress)
+        if cfg.data.feature_window and writer:
+            open_window(store.folder)  # a resumed or extended run: the capture goes on
+        summary = _train_fed(cfg, target, tokenizer, train_rows, eval_rows, feed, group, start, progress=progress)
+        if cfg.data.feature_window and writer:
+            finish_window(store.folder)  # the capture stops instead of waiting for room
+        return summary
     except UserError as exc:
         raise UserError(f"rank {layout.rank} (drafter): {exc}" if world > 1 else str(exc)) from None
+
+
+def check_window(cfg: RunConfig, num_rows: int, rows_per_shard: int) -> None:
+    """Refuse a window that cannot work, before training: shards are released at checkpoints, so the
+    rows of ``train.save_every`` steps must fit in the window with the shard being read; without
+    ``feature_window_keep`` the data is read once."""
+    window, between = cfg.data.feature_window, cfg.train.save_every * cfg.train.grad_accum
+    if (window - 1) * rows_per_shard < between:
+        raise UserError(
+            f"data.feature_window {window} holds {(window - 1) * rows_per_shard} rows besides the shard being read, "
+            f"and the window moves at checkpoints, every train.save_every x grad_accum = {between} rows: raise "
+            f"data.feature_window to at least {-(-between // rows_per_shard) + 1} or lower train.save_every"
+        )
+    if not cfg.data.feature_window_keep and cfg.train.max_steps * cfg.train.grad_accum > num_rows:
+        raise UserError(
+            f"train.max_steps x grad_accum = {cfg.train.max_steps * cfg.train.grad_accum} rows is more than one pass "
+            f"over the cache's {num_rows} training rows, and data.feature_window deletes each shard once trained: "
+            "set data.feature_window_keep=true, or fewer steps"
+        )
 
 
 def warn_unservable(cfg: RunConfig) -> list[str]:
@@ -234,11 +273,7 @@ def warn_unservable(cfg: RunConfig) -> list[str]:
         return []
     text_cfg, _, _ = load_target_config(cfg.target.path)
     n = text_cfg.num_hidden_layers
-    ids = (
-        cfg.target.layer_ids
-        if cfg.target.layer_ids is not None
-        else default_layer_ids(n, cfg.target.num_feature_layers)
-    )
+    ids = run_layer_ids(cfg, n)
     try:
         scale = config_embedding_scale(text_cfg)  # built on the meta device: no weights read
     except (ValueError, KeyError, TypeError, ImportError):  # a config transformers cannot build: unknown

@@ -214,6 +214,19 @@ class DataConfig(Section):
         description="a feature cache written by `dflash-train capture`: train from it, without the target body; "
         "null = run the target online",
     )
+    feature_window: int | None = Field(
+        None,
+        ge=2,
+        description="read data.features as a window of at most this many training shards on disk while `capture` "
+        "(same config) writes it: shards in order, rows shuffled within each, capture waiting when the window is "
+        "full, shards released at each checkpoint; null = a complete cache read in any order",
+    )
+    feature_window_keep: bool = Field(
+        False, description="with data.feature_window: keep released shards on disk (else they are deleted)"
+    )
+    feature_window_timeout_s: float = Field(
+        3600.0, gt=0, description="with data.feature_window: how long training waits for a shard, capture for room"
+    )
 
     @model_validator(mode="after")
     def _one_source_of_rows(self) -> DataConfig:
@@ -254,8 +267,33 @@ class LossConfig(Section):
     chunk_size: int | None = Field(None, ge=1, description="rows per loss chunk; null = derived from memory")
 
 
+class CaptureVllmConfig(Section):
+    """vLLM as the feature producer (``capture.engine: vllm``; docs/large-targets.md)."""
+
+    servers: list[str] = Field(
+        default_factory=list,
+        description="URLs of running vLLM servers started with the command `capture --print-server-command` "
+        "prints (their files must be readable here); empty = one vllm.LLM in a subprocess of DFLASH_VLLM_PYTHON",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target is sharded over (vLLM's tensor parallel)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages of the target (vLLM's pipeline parallel)")
+    quantization: str | None = Field(None, description="vLLM's quantization method (fp8, ...); null = the checkpoint's")
+    max_model_len: int | None = Field(None, ge=1, description="vLLM's context length; null = data.seq_len + 1")
+    engine_args: dict = Field(
+        default_factory=dict,
+        description="further vllm.LLM / `vllm serve` arguments, by their Python names (gpu_memory_utilization, ...)",
+    )
+
+
 class CaptureConfig(Section):
     """What ``dflash-train capture`` stores per token (docs/offline.md: the feature cache)."""
+
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="what runs the target: transformers in this process (one GPU per process), or vLLM "
+        "(any size it serves: tensor/pipeline parallel, quantized; capture.vllm)",
+    )
+    vllm: CaptureVllmConfig = Field(default_factory=CaptureVllmConfig)
 
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3"] | None = Field(
         None,

@@ -135,7 +135,8 @@ def _stamp(path: Path) -> list[int]:
 
 
 def done_shards(folder: Path) -> dict[str, dict]:
-    """Shard name -> completion record, for every shard whose file exists with the recorded size."""
+    """Shard name -> completion record, for every shard whose file exists with the recorded size, or
+    that training released (``window.py``: trained, checkpointed, its file deleted)."""
     out = {}
     for record_path in sorted((folder / "shards").glob("*.json")):
         try:
@@ -143,7 +144,7 @@ def done_shards(folder: Path) -> dict[str, dict]:
         except (CacheError, FileNotFoundError):
             continue  # a torn record: the shard is redone
         shard = record_path.with_suffix(".safetensors")
-        if shard.is_file() and shard.stat().st_size == record.get("bytes"):
+        if record.get("released") is True or (shard.is_file() and shard.stat().st_size == record.get("bytes")):
             out[record_path.stem] = record
     return out
 

@@ -131,11 +131,12 @@ def _checkpoint_key(files: dict[str, Path], name: str) -> str:
     raise TargetLoadError(f"the target's weights have no tensor {name} (nor one unique key ending like it)")
 
 
-def load_target_head(cfg: TargetConfig, layer_ids: list[int] | None = None):
+def load_target_head(cfg: TargetConfig, layer_ids: list[int] | None = None, *, final_norm: bool = False):
     """``(TargetModel without body, tokenizer, tensor names read)``: what a drafter trained from cached
     features needs of the target, its input embedding and output head, read by tensor name from the
     folder's safetensors. The model is built on the meta device, so the body's weights are neither
-    allocated nor read (the names returned are everything read)."""
+    allocated nor read (the names returned are everything read). ``final_norm``: the body's final norm
+    too (``body.norm``), for teacher states computed elsewhere before it (capture from vLLM)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -160,16 +161,23 @@ def load_target_head(cfg: TargetConfig, layer_ids: list[int] | None = None):
     from .target import text_config
 
     tied = head is None or head.weight is emb.weight or bool(getattr(text_config(config), "tie_word_embeddings", False))
-    wanted = [emb] + ([] if tied else [head])
+    wanted = [(m, "weight") for m in [emb] + ([] if tied else [head])]
+    if final_norm:
+        norm = getattr(model.get_decoder(), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            raise TargetLoadError(
+                f"{type(model).__name__} has no final norm at .norm: capture with --engine transformers"
+            )
+        wanted += [(norm, name) for name, _ in norm.named_parameters(recurse=False)]
     read = []
-    for module in wanted:
-        key = _checkpoint_key(files, names[id(module.weight)][0])
+    for module, attr in wanted:
+        key = _checkpoint_key(files, names[id(getattr(module, attr))][0])
         try:
             with safe_open(str(files[key]), framework="pt") as f:
                 weight = f.get_tensor(key)
         except _load_errors() as exc:
             raise TargetLoadError(f"cannot read {key} from {files[key]}: {_first_line(exc)}") from None
-        module.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+        setattr(module, attr, torch.nn.Parameter(weight.to(dtype), requires_grad=False))
         read.append(key)
     for name, buf in list(emb.named_buffers(recurse=False)):
         if buf.is_meta:  # a buffer the constructor computed (Gemma's embed_scale), lost on the meta device

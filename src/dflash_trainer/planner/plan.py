@@ -580,9 +580,36 @@ def recommendations(plan: Plan, ids: list[int], fit_chunk: int | None) -> list[s
     for dev in plan.devices:
         if dev.role == "target GPU" and not dev.fits:
             sl = largest_seq_len(s, w, topo, ids)
-            out.append(
-                f"target GPU: the longest packed row that fits is data.seq_len={sl:,}"
-                if sl
-                else "target GPU: the target's weights alone do not fit; use a larger GPU"
-            )
+            if sl:
+                out.append(f"target GPU: the longest packed row that fits is data.seq_len={sl:,}")
+            else:
+                out.append(vllm_layout(s, w, topo, ids))
     return out
+
+
+VLLM_WEIGHT_SHARE = 0.7  # of each GPU: vLLM keeps its KV cache and activations beside the weights
+
+
+def vllm_gpus(s: TargetShape, w: F.Workload, topo: Topology) -> int:
+    """GPUs per vLLM server for this target: the fewest, a power of two (vLLM's tensor parallel sizes),
+    that hold its weights within ``VLLM_WEIGHT_SHARE`` of each."""
+    weights, tp = target_param_count(s) * F.DTYPE_BYTES[w.target_dtype], 1
+    while weights / tp > VLLM_WEIGHT_SHARE * topo.memory and tp < 1024:
+        tp *= 2
+    return tp
+
+
+def vllm_layout(s: TargetShape, w: F.Workload, topo: Topology, ids: list[int]) -> str:
+    """The layout for a target whose weights do not fit one GPU: vLLM captures its features over the
+    fewest GPUs (a power of two, its tensor parallel sizes) that hold the weights within
+    ``VLLM_WEIGHT_SHARE`` of each, and the drafter trains from the cache (no target body)."""
+    weights, tp = target_param_count(s) * F.DTYPE_BYTES[w.target_dtype], vllm_gpus(s, w, topo)
+    drafter = drafter_device_plan(s, w, replace(topo, offline=True, target_gpus=0), ids, w.chunk_size or 1024)
+    verdict = "fits" if drafter.fits else "does not fit either: see the drafter's lines above"
+    return (
+        f"target GPU: the target's weights ({weights / GB:,.0f} GB, {w.target_dtype}) do not fit one "
+        f"{topo.device_name}: capture its features with vLLM over {tp} GPUs (capture.vllm.tensor_parallel_size={tp}, "
+        f"weights at most {VLLM_WEIGHT_SHARE:.0%} of each; docs/large-targets.md), then train the drafter from them "
+        f"(data.features, or data.feature_window while the capture runs): the drafter GPU alone peaks at "
+        f"{drafter.total / GB:,.1f} GB and {verdict}"
+    )

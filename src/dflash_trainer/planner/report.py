@@ -16,9 +16,9 @@ from pathlib import Path
 from ..errors import UserError
 from ..variants import variant_of
 from . import formulas as F
-from .plan import Plan, Topology, _target_layer_ids, make_plan
+from .plan import Plan, Topology, _target_layer_ids, make_plan, vllm_gpus
 from .shapes import GB, TARGET_PRESETS, TargetShape, gpu_memory, load_target_shape, target_param_count
-from .throughput import DEFAULT_UTILIZATION, GPU_PEAKS, best_split, throughput
+from .throughput import DEFAULT_UTILIZATION, GPU_PEAKS, best_split, throughput, vllm_capture
 
 
 def workload_from_config(cfg) -> F.Workload:
@@ -155,6 +155,11 @@ def plan_for_config(
             "as_launched": throughput(shape, w, ids, topo.target_gpus, topo.drafter_gpus, **kwargs).as_dict(),
             "best_split": best_split(shape, w, ids, topo.target_gpus + topo.drafter_gpus, **kwargs).as_dict(),
         }
+        v = cfg.capture.vllm
+        configured = v.tensor_parallel_size * v.pipeline_parallel_size
+        if cfg.capture.engine == "vllm" or not plan.devices[0].fits and plan.devices[0].role == "target GPU":
+            gpus = configured if cfg.capture.engine == "vllm" else max(configured, vllm_gpus(shape, w, topo))
+            plan.throughput["vllm_capture"] = vllm_capture(shape, w, ids, gpus, **kwargs)
     plan.data = data_cost(w.seq_len)
     plan.capture = capture_cost(cfg, shape, w)
     return plan
@@ -220,6 +225,13 @@ def capture_cost(cfg, s, w: F.Workload) -> dict:
         "rows_source": source,
         "corpus_bytes": per_row[storage] * rows if rows is not None else None,
         "reader_ram_bytes": per_row[storage] + decoded,
+        "window": cfg.data.feature_window,
+        # a shard holds as many rows as fit capture.shard_bytes, at least one (features.capture.capture_plan)
+        "window_bytes": (
+            cfg.data.feature_window * max(1, cfg.capture.shard_bytes // per_row[storage]) * per_row[storage]
+            if cfg.data.feature_window
+            else None
+        ),
     }
 
 
@@ -284,6 +296,11 @@ def _capture_lines(c: dict) -> list[str]:
         lines.append(
             f"  {c['storage_dtype']}: {per_row[c['storage_dtype']] * 10_000 / 1e12:,.2f} TB per 10,000 rows (this data's "
             "row count is known once it is prepared: dflash-train prepare-data --out DIR, then data.prepared=DIR)"
+        )
+    if c.get("window"):
+        lines.append(
+            f"  as a window (data.feature_window={c['window']}, capture and train at once): at most "
+            f"{c['window_bytes'] / 1e9:,.1f} GB of training shards on disk"
         )
     lines.append(
         f"  reading it (train --set data.features=DIR): {c['reader_ram_bytes'] / 1e9:,.2f} GB of host RAM "
@@ -392,6 +409,14 @@ def _throughput_lines(plan: Plan) -> list[str]:
         f"  best split of {now['target_ranks'] + now['drafter_ranks']} GPUs: {best['target_ranks']} target + "
         f"{best['drafter_ranks']} drafter, {best['tokens_per_s']:,.0f} tokens/s (bottleneck: {best['bottleneck']})",
     ]
+    v = tp.get("vllm_capture")
+    if v:
+        out.append(
+            f"  with vLLM capturing (docs/large-targets.md; ideal tensor-parallel scaling, an upper bound): one server "
+            f"of {v['gpus_per_server']} GPUs {v['server_tokens_per_s']:,.0f} tokens/s, one drafter GPU training from "
+            f"the cache {v['drafter_tokens_per_s']:,.0f} tokens/s: {v['servers_per_drafter_gpu']:.1f} servers keep "
+            "one drafter GPU busy (fewer: capture bounds tokens/s)"
+        )
     return out
 
 

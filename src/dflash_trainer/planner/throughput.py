@@ -124,3 +124,27 @@ def best_split(s: TargetShape, w: F.Workload, layer_ids: list[int], gpus: int, *
         raise ValueError("a split needs at least 2 GPUs")
     options = [throughput(s, w, layer_ids, t, gpus - t, **kwargs) for t in range(gpus - 1, 0, -1)]
     return max(options, key=lambda x: x.tokens_per_s)
+
+
+def vllm_capture(
+    s: TargetShape,
+    w: F.Workload,
+    layer_ids: list[int],
+    gpus_per_server: int,
+    *,
+    peak_flops: float,
+    utilization: float = DEFAULT_UTILIZATION,
+    **_,
+) -> dict:
+    """Tokens/s of one vLLM capture server of ``gpus_per_server`` GPUs (its target forward split evenly
+    over them: ideal tensor parallel scaling, an upper bound) and of one drafter GPU training from the
+    cache, and how many servers keep one drafter GPU busy."""
+    rate = peak_flops * utilization
+    server = gpus_per_server * rate / target_flops_per_row(s, w, layer_ids) * w.seq_len
+    drafter = rate / sum(drafter_flops_per_row(s, w).values()) * w.seq_len
+    return {
+        "gpus_per_server": gpus_per_server,
+        "server_tokens_per_s": server,
+        "drafter_tokens_per_s": drafter,
+        "servers_per_drafter_gpu": drafter / server,
+    }

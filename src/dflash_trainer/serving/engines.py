@@ -152,27 +152,15 @@ class ServerEngine:
         pass
 
 
-class VllmEngine:
-    """One ``vllm.LLM`` of ``target`` in a subprocess (``vllm_runner.py --serve``), fed batches of
-    token-id prompts over its stdin; its answers come back on its stdout after a marker line prefix."""
+class RunnerProcess:
+    """``vllm_runner.py`` in a subprocess of the python that has vLLM: one JSON job per stdin line, one
+    answer per job on its stdout after a marker prefix (vLLM's own log shares stdout)."""
 
     MARK = "@@dflash-trainer "
 
-    def __init__(self, target: Path, *, dtype: str = "auto", max_model_len: int | None = None, python=None):
-        from .launch import RUNNER, vllm_env, vllm_python
-
-        python = python or vllm_python()
-        cmd = [str(python), str(RUNNER), "--serve", str(Path(target).resolve()), "--dtype", dtype]
-        if max_model_len:
-            cmd += ["--max-model-len", str(max_model_len)]
+    def __init__(self, cmd: list[str], env: dict):
         self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=vllm_env(Path(python)),
-            bufsize=1,
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
         )
         self._read()  # the ready line: the engine is built
 
@@ -189,11 +177,10 @@ class VllmEngine:
         last = log[-1] if log else "(no output)"
         raise UserError(f"vLLM exited (status {self.proc.wait()}) before answering: {last}")
 
-    def complete(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, seed: int):
-        job = {"prompts": prompts, "max_tokens": max_tokens, **_sampling(temperature, top_p, seed)}
+    def ask(self, job: dict) -> dict:
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
-        return [tuple(c) for c in self._read()["completions"]]
+        return self._read()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -202,3 +189,21 @@ class VllmEngine:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class VllmEngine(RunnerProcess):
+    """One ``vllm.LLM`` of ``target`` in a subprocess (``vllm_runner.py --serve``), fed batches of
+    token-id prompts over its stdin; its answers come back on its stdout after a marker line prefix."""
+
+    def __init__(self, target: Path, *, dtype: str = "auto", max_model_len: int | None = None, python=None):
+        from .launch import RUNNER, vllm_env, vllm_python
+
+        python = python or vllm_python()
+        cmd = [str(python), str(RUNNER), "--serve", str(Path(target).resolve()), "--dtype", dtype]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
+        super().__init__(cmd, vllm_env(Path(python)))
+
+    def complete(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, seed: int):
+        job = {"prompts": prompts, "max_tokens": max_tokens, **_sampling(temperature, top_p, seed)}
+        return [tuple(c) for c in self.ask(job)["completions"]]

@@ -4,6 +4,7 @@ export as its drafter.
 
     python vllm_runner.py JOB.json
     python vllm_runner.py --serve TARGET [--dtype D] [--max-model-len N]
+    python vllm_runner.py --extract TARGET --layers I,J,... --dir DIR [--engine-args JSON]
 
 JOB: {"target": DIR, "prompts": [[id, ...], ...], "max_tokens": N, "exports": {name: DIR or null},
 "output": PATH}. Writes to ``output``: {name: {"tokens": [[id, ...], ...], "drafts": n,
@@ -15,6 +16,13 @@ counters (``vllm:spec_decode_num_drafts`` / ``vllm:spec_decode_num_accepted_toke
 "temperature", "top_p", "seed"} with one stdout line ``@@dflash-trainer {"completions": [[text,
 new tokens without the eos, cut at max_tokens], ...]}`` (``serving.engines.VllmEngine``); vLLM's
 own log shares stdout, hence the marker.
+
+``--extract`` keeps one ``vllm.LLM`` of TARGET running vLLM's ``extract_hidden_states`` method at
+the given Hugging Face ``hidden_states`` indices, with the ``dflash_hidden_states`` connector (in
+``vllm_connector/`` beside this file, put on the path here) writing each prompt's states to DIR, and answers each stdin line {"prompts": [[id, ...],
+...]} with ``@@dflash-trainer {"files": [path per prompt]}`` once every file is complete. Prefix
+caching is off: a prompt whose prefix was cached would skip its forward, and its states with it.
+``--engine-args``: further ``vllm.LLM`` keyword arguments (tensor_parallel_size, quantization, ...).
 """
 
 import gc
@@ -122,8 +130,61 @@ def serve(argv: list[str]) -> None:
         say({"completions": completions})
 
 
+def extract(argv: list[str]) -> None:
+    import argparse
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_connector"))
+
+    p = argparse.ArgumentParser()
+    p.add_argument("target")
+    p.add_argument("--layers", required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--engine-args", default="{}")
+    args = p.parse_args(argv)
+
+    def say(obj):
+        print(MARK + json.dumps(obj), flush=True)
+
+    options = {"enforce_eager": True, **json.loads(args.engine_args)}
+    try:
+        llm = LLM(
+            model=args.target,
+            enable_prefix_caching=False,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in args.layers.split(",")]}
+                },
+            },
+            kv_transfer_config={
+                "kv_connector": "DflashHiddenStatesConnector",
+                "kv_connector_module_path": "dflash_hidden_states",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": args.dir},
+            },
+            **options,
+        )
+    except Exception as exc:
+        say({"error": one_line(exc)})
+        return
+    say({"ready": True})
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for line in sys.stdin:
+        job = json.loads(line)
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
+        except Exception as exc:  # a prompt vLLM refuses (too long, ...): said, and the run ends
+            say({"error": one_line(exc)})
+            return
+        say({"files": [o.kv_transfer_params["hidden_states_path"] for o in outs]})
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
         serve(sys.argv[2:])
+    elif sys.argv[1] == "--extract":
+        extract(sys.argv[2:])
     else:
         main(sys.argv[1])

@@ -535,6 +535,9 @@ class DrafterFeed:
             out.append(TargetFeatures(feats.context, feats.teacher))
         return RemoteFeatures(out)
 
+    def checkpointed(self, rows_consumed: int) -> None:
+        pass  # features computed online: nothing on disk to release
+
     def end_step(self) -> None:
         self.step += 1
         self._announce_ahead()

@@ -17,6 +17,7 @@ import torch
 from ..config import RunConfig
 from ..data.prepare import changed_inputs, request_for, setting_differences
 from ..features.store import FeatureStore
+from ..features.window import release_shards
 from ..model.target import TargetFeatures, default_layer_ids, select_row_features
 from .distributed import Layout, StepPlan
 from .step import needs_teacher, row_anchors
@@ -130,6 +131,15 @@ class CachedFeed:
 
     def end_step(self) -> None:
         pass
+
+    def checkpointed(self, rows_consumed: int) -> None:
+        """A checkpoint at ``rows_consumed`` was written: with a window, the training shards wholly before
+        it are released (a resume from it never reads them), in the first pass over the data."""
+        window = self.cfg.data.feature_window
+        if window and rows_consumed <= len(self.rows):
+            release_shards(
+                self.store.folder, rows_consumed // self.store.rows_per_shard, self.cfg.data.feature_window_keep
+            )
 
     def metrics(self, elapsed: float) -> dict:
         return {"cache_read_s": self.read_s, "cache_read_bytes_per_s": self.bytes_read / max(elapsed, 1e-9)}

@@ -88,20 +88,34 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> torch.Tensor:
     return torch.randperm(num_rows, generator=gen)
 
 
+def shard_window_order(seed: int, epoch: int, num_rows: int, rows_per_shard: int) -> torch.Tensor:
+    """The row order of a feature cache read as a window (``data.feature_window``) ``[num_rows]``: its
+    shards in order, the rows of each shuffled by ``(seed, epoch)``, so position ``g`` of an
+    epoch is in shard ``g // rows_per_shard``: the epoch's shuffle of all rows, stably sorted by shard."""
+    order = epoch_order(seed, epoch, num_rows)
+    return order[torch.sort(order // rows_per_shard, stable=True).indices]
+
+
 class RowStream:
     """Global row index ``g`` -> the packed row it names (epoch orders cached one at a time, as a
     tensor: 8 bytes per row, whatever the corpus). ``rows`` is a sequence: a list, or the memory-mapped
-    ``storage.PackedRows`` that reads a row only when it is asked for."""
+    ``storage.PackedRows`` that reads a row only when it is asked for. ``rows_per_shard``: the order of
+    a feature cache read as a window (``shard_window_order``) instead of a shuffle of all rows."""
 
-    def __init__(self, rows: Sequence[PackedRow], seed: int):
-        self.rows, self.seed = rows, seed
+    def __init__(self, rows: Sequence[PackedRow], seed: int, rows_per_shard: int | None = None):
+        self.rows, self.seed, self.rows_per_shard = rows, seed, rows_per_shard
         self._epoch, self._order = -1, torch.zeros(0, dtype=torch.long)
 
     def row_index(self, g: int) -> int:
         """The data set's row that global index ``g`` names."""
         epoch, i = divmod(g, len(self.rows))
         if epoch != self._epoch:
-            self._epoch, self._order = epoch, epoch_order(self.seed, epoch, len(self.rows))
+            n = len(self.rows)
+            self._epoch = epoch
+            if self.rows_per_shard:
+                self._order = shard_window_order(self.seed, epoch, n, self.rows_per_shard)
+            else:
+                self._order = epoch_order(self.seed, epoch, n)
         return int(self._order[i])
 
     def __getitem__(self, g: int) -> PackedRow:
@@ -232,7 +246,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """``checkpoints/step-NNNNNNN/``: drafter, trainer state, run.yaml, checksums; atomic."""
         final = self.out_dir / "checkpoints" / f"step-{self.c.step:07d}"
-        return save_training_checkpoint(
+        path = save_training_checkpoint(
             final,
             self.drafter,
             self.state_dict(),
@@ -241,6 +255,9 @@ class Trainer:
             target_path=self.target_path,
             step=self.c.step,
         )
+        if self.feed is not None:  # a resume restarts here: what lies before is no longer needed
+            self.feed.checkpointed(self.c.rows_consumed)
+        return path
 
     def load_checkpoint(self, path: Path) -> None:
         state = load_training_state(path, self.drafter)
