@@ -4,7 +4,7 @@ connector (``serving/vllm_connector``), and the command writes the same feature 
 target writes.
 
 Checked: the features at every layer id, the first and the last included (vLLM numbers layers one
-higher: the off-by-one trap), and the teacher (vLLM's last layer before the norm, normed here) equal
+higher: the off-by-one trap), with prompts prefilled in several chunks, and the teacher (vLLM's last layer before the norm, normed here) equal
 the in-process features within the derived float32 bound (``tolerances.float32_forward_error``), which
 is far below the gap between adjacent layers; a drafter trained 40 steps from either cache has the same
 losses; the two-command flow for a target served elsewhere (``--print-server-command``, then
@@ -46,6 +46,9 @@ SETTINGS = [
     "train.save_every=40",
     "train.lr=2e-3",
     "capture.shard_bytes=200000",  # several shards
+    # vLLM prefills a 128-token document in three steps, at most four requests at once: the connector
+    # gathers a prompt's blocks across steps and writes it in the step that completes it
+    "capture.vllm.engine_args={max_num_batched_tokens: 48, max_num_seqs: 4, enforce_eager: true}",
 ]
 
 

@@ -38,15 +38,21 @@ def kv_transfer_config(folder: Path) -> dict:
     return {**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
 
 
+def _flag(name: str, value) -> str:
+    """One ``vllm serve`` flag from a ``vllm.LLM`` keyword: booleans as ``--x`` / ``--no-x``."""
+    flag = f"--{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag}={json.dumps(value) if isinstance(value, (dict, list)) else value}"
+
+
 def server_command(target: Path, hf_ids: list[int], folder: Path, engine_args: dict) -> str:
     """The shell command that starts a vLLM server ``--server URL`` can capture from: the target with
     the extraction method at ``hf_ids``, this project's connector writing to ``folder``, prefix caching
     off (a cached prefix would skip its forward and its states), and ``engine_args`` as flags. vLLM's
     OpenAI server module rather than ``vllm serve`` (the same flags): the CPU build's ``vllm`` script
     looks up a package named vllm and fails; the python is ``DFLASH_VLLM_PYTHON``'s, else ``python``."""
-    flags = [
-        f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in engine_args.items()
-    ]
+    flags = [_flag(k, v) for k, v in engine_args.items()]
     return " ".join(
         [
             f"PYTHONPATH={shlex.quote(str(CONNECTOR_DIR))}",
