@@ -35,6 +35,13 @@ def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(0) - 1
 
 
+def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of the documents of a packed row ``[L]``, in order, covering it."""
+    doc = doc_ids_from_positions(position_ids)
+    starts = [0, *((doc[1:] != doc[:-1]).nonzero().squeeze(1) + 1).tolist()]
+    return list(zip(starts, [*starts[1:], position_ids.numel()]))
+
+
 @dataclass
 class PackedRow:
     """One packed row; every tensor is ``[L]`` long (``L = seq_len``)."""

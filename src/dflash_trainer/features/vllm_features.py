@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..data.packing import PackedRow, doc_ids_from_positions
+from ..data.packing import PackedRow, document_spans
 from ..errors import UserError
 from ..model.target import TargetFeatures, TargetModel
 
@@ -38,13 +38,6 @@ def extraction_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     """vLLM's indices to extract for these layer ids, sorted, with ``num_layers`` (the last layer's
     output before the final norm, which the teacher is computed from)."""
     return sorted({hf_index(i) for i in layer_ids} | {num_layers})
-
-
-def documents(row: PackedRow) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of the documents of a packed row, in order, covering it."""
-    doc = doc_ids_from_positions(row.position_ids)
-    starts = [0, *((doc[1:] != doc[:-1]).nonzero().squeeze(1) + 1).tolist()]
-    return list(zip(starts, [*starts[1:], row.input_ids.numel()]))
 
 
 class VllmFeatures:
@@ -62,7 +55,7 @@ class VllmFeatures:
     def features_of(self, rows: Sequence[PackedRow], need_teacher: bool) -> list[TargetFeatures]:
         """One ``TargetFeatures`` per row (``context`` ``[L, k*H]``, ``last_hidden`` ``[L, H]`` or None),
         from one extraction call for all their documents."""
-        spans = [documents(row) for row in rows]
+        spans = [document_spans(row.position_ids) for row in rows]
         prompts = [row.input_ids[s:e].tolist() for row, doc in zip(rows, spans) for s, e in doc]
         files = iter(self.extractor.extract(prompts))
         where = {h: i for i, h in enumerate(self.hf_ids)}

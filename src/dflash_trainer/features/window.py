@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..io import atomic_write_json
-from .store import CacheError, FeatureStore, _read_json, done_shards, read_plan, shard_name, shard_plan
+from .store import CacheError, FeatureStore, _read_json, read_plan, shard_name
 
 WINDOW = "window.json"  # {"released": k, "finished": bool}: shards 0..k-1 released; training ended
 POLL_S = 0.2
@@ -61,54 +61,59 @@ def open_window(folder: Path) -> None:
         finish_window(folder, finished=False)
 
 
-def release_shards(folder: Path, upto: int, keep: bool) -> list[str]:
-    """Release training shards ``[released, upto)``: delete their files (unless ``keep``), mark their
-    records, then advance ``window.json``. Returns the names released now."""
+def release_shards(folder: Path, upto: int, keep: bool) -> None:
+    """Release training shards ``[released, upto)``: delete their files and mark their records (unless
+    ``keep``), then advance ``window.json``."""
     folder, start = Path(folder), released_shards(folder)
-    names = []
-    for i in range(start, upto):
+    for i in range(start, upto) if not keep else ():
         name = shard_name("train", i)
         record_path = folder / "shards" / f"{name}.json"
         record = _read_json(record_path, "capture again")
-        if not keep:
-            (folder / "shards" / f"{name}.safetensors").unlink(missing_ok=True)
-            record["released"] = True
-            atomic_write_json(record_path, record)
-        names.append(name)
+        (folder / "shards" / f"{name}.safetensors").unlink(missing_ok=True)
+        record["released"] = True
+        atomic_write_json(record_path, record)
     if upto > start:
         atomic_write_json(folder / WINDOW, {"released": upto, "finished": False})
-    return names
+
+
+def _wait_until(ready, timeout_s: float, error: str) -> bool:
+    """Poll ``ready()`` every ``POLL_S`` until it is true (``CacheError(error)`` after ``timeout_s``);
+    returns whether it had to wait."""
+    deadline, waited = time.monotonic() + timeout_s, False
+    while not ready():
+        if time.monotonic() > deadline:
+            raise CacheError(error)
+        waited = True
+        time.sleep(POLL_S)
+    return waited
 
 
 def wait_for_room(folder: Path, index: int, window: int, timeout_s: float) -> bool:
     """Capture side: return once training shard ``index`` fits the window (``index < released + window``);
     ``TrainingFinished`` when training ended first. Returns whether it waited."""
-    deadline, waited = time.monotonic() + timeout_s, False
-    while True:
+
+    def fits() -> bool:
         state = window_state(folder)
         if state["finished"]:
             raise TrainingFinished(state["released"])
-        if index < state["released"] + window:
-            return waited
-        waited = True
-        if time.monotonic() > deadline:
-            raise CacheError(
-                f"capture waited {timeout_s:g} s for training to release shard {index - window} of {folder}: is "
-                "`dflash-train train` running with data.features on this folder? (data.feature_window_timeout_s)"
-            )
-        time.sleep(POLL_S)
+        return index < state["released"] + window
+
+    return _wait_until(
+        fits,
+        timeout_s,
+        f"capture waited {timeout_s:g} s for training to release shard {index - window} of {folder}: is "
+        "`dflash-train train` running with data.features on this folder? (data.feature_window_timeout_s)",
+    )
 
 
 def wait_for_plan(folder: Path, timeout_s: float) -> None:
     """Training side: return once ``capture.json`` exists (the capture may start after training)."""
-    deadline = time.monotonic() + timeout_s
-    while read_plan(folder) is None:
-        if time.monotonic() > deadline:
-            raise CacheError(
-                f"no capture in {folder} after {timeout_s:g} s: start `dflash-train capture --out {folder}` with "
-                "this config (data.feature_window_timeout_s)"
-            )
-        time.sleep(POLL_S)
+    _wait_until(
+        lambda: read_plan(folder) is not None,
+        timeout_s,
+        f"no capture in {folder} after {timeout_s:g} s: start `dflash-train capture --out {folder}` with "
+        "this config (data.feature_window_timeout_s)",
+    )
 
 
 class WindowedStore(FeatureStore):
@@ -120,10 +125,7 @@ class WindowedStore(FeatureStore):
         self.folder.mkdir(parents=True, exist_ok=True)
         wait_for_plan(self.folder, timeout_s)
         plan = read_plan(self.folder)
-        done = done_shards(self.folder)
-        names = [shard_name(s, i) for s, i, _, _ in shard_plan(plan["splits"], plan["rows_per_shard"])]
-        self.manifest = {**plan, "shards": {n: done[n] for n in names if n in done}}
-        self.manifest["bytes"] = sum(r["bytes"] for r in self.manifest["shards"].values())
+        self.manifest = {**plan, "shards": {}, "bytes": 0}  # the plan: the shards are not all written yet
         self.rows_per_shard = plan["rows_per_shard"]
         self.storage = plan["settings"]["storage_dtype"]
         self._open = {}
@@ -139,14 +141,12 @@ class WindowedStore(FeatureStore):
 
     def _wait(self, name: str) -> None:
         record_path = self.folder / "shards" / f"{name}.json"
-        deadline = time.monotonic() + self.timeout_s
-        while not record_path.is_file():
-            if time.monotonic() > deadline:
-                raise CacheError(
-                    f"training waited {self.timeout_s:g} s for feature shard {name} of {self.folder}: is `dflash-train "
-                    "capture` running on this folder, with this config? (data.feature_window_timeout_s)"
-                )
-            time.sleep(POLL_S)
+        _wait_until(
+            record_path.is_file,
+            self.timeout_s,
+            f"training waited {self.timeout_s:g} s for feature shard {name} of {self.folder}: is `dflash-train "
+            "capture` running on this folder, with this config? (data.feature_window_timeout_s)",
+        )
         record = _read_json(record_path, "capture again")
         if record.get("released"):
             raise CacheError(

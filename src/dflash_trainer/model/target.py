@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..data.packing import doc_ids_from_positions
+from ..data.packing import document_spans
 from ..errors import UserError
 
 
@@ -240,10 +240,8 @@ class TargetModel:
             position_ids = torch.arange(input_ids.numel(), device=input_ids.device)
         if self.packs_documents:
             return self._run(input_ids[None], position_ids[None], need_teacher)
-        doc = doc_ids_from_positions(position_ids)
-        starts = [0, *((doc[1:] != doc[:-1]).nonzero().squeeze(1) + 1).tolist()]
-        bounds = [*starts[1:], input_ids.numel()]
-        parts = [self._run(input_ids[None, s:e], position_ids[None, s:e], need_teacher) for s, e in zip(starts, bounds)]
+        spans = document_spans(position_ids)
+        parts = [self._run(input_ids[None, s:e], position_ids[None, s:e], need_teacher) for s, e in spans]
         return TargetFeatures(
             torch.cat([p.context for p in parts]),
             torch.cat([p.last_hidden for p in parts]) if need_teacher else None,

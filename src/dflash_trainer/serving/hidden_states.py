@@ -26,16 +26,24 @@ CONNECTOR_DIR = RUNNER.parent / "vllm_connector"
 CONNECTOR = {"kv_connector": "DflashHiddenStatesConnector", "kv_connector_module_path": "dflash_hidden_states"}
 
 
-def speculative_config(hf_ids: list[int]) -> dict:
+def extraction_args(hf_ids: list[int], folder: Path) -> dict:
+    """The ``vllm.LLM`` / server arguments that make vLLM an extractor: the ``extract_hidden_states``
+    method at ``hf_ids``, this project's connector writing to ``folder``, and prefix caching off (a
+    cached prefix would skip its forward, and its states with it). One source for the subprocess
+    engine and the printed server command."""
     return {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(hf_ids)}},
+        "enable_prefix_caching": False,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(hf_ids)}},
+        },
+        "kv_transfer_config": {
+            **CONNECTOR,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(Path(folder).resolve())},
+        },
     }
-
-
-def kv_transfer_config(folder: Path) -> dict:
-    return {**CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
 
 
 def _flag(name: str, value) -> str:
@@ -47,23 +55,17 @@ def _flag(name: str, value) -> str:
 
 
 def server_command(target: Path, hf_ids: list[int], folder: Path, engine_args: dict) -> str:
-    """The shell command that starts a vLLM server ``--server URL`` can capture from: the target with
-    the extraction method at ``hf_ids``, this project's connector writing to ``folder``, prefix caching
-    off (a cached prefix would skip its forward and its states), and ``engine_args`` as flags. vLLM's
-    OpenAI server module rather than ``vllm serve`` (the same flags): the CPU build's ``vllm`` script
-    looks up a package named vllm and fails; the python is ``DFLASH_VLLM_PYTHON``'s, else ``python``."""
-    flags = [_flag(k, v) for k, v in engine_args.items()]
+    """The shell command that starts a vLLM server ``--server URL`` can capture from: ``extraction_args``
+    and ``engine_args`` as flags. vLLM's OpenAI server module rather than ``vllm serve`` (the same
+    flags): the CPU build's ``vllm`` script looks up a package named vllm and fails; the python is
+    ``DFLASH_VLLM_PYTHON``'s, else ``python``."""
+    flags = [_flag(k, v) for k, v in {**extraction_args(hf_ids, folder), **engine_args}.items()]
     return " ".join(
         [
             f"PYTHONPATH={shlex.quote(str(CONNECTOR_DIR))}",
             shlex.quote(os.environ.get(ENV_PYTHON) or "python"),
             "-m vllm.entrypoints.openai.api_server --model",
             shlex.quote(str(target)),
-            "--no-enable-prefix-caching",
-            "--speculative-config",
-            shlex.quote(json.dumps(speculative_config(hf_ids))),
-            "--kv-transfer-config",
-            shlex.quote(json.dumps(kv_transfer_config(folder))),
             *map(shlex.quote, flags),
         ]
     )
@@ -75,16 +77,10 @@ class VllmExtractor(RunnerProcess):
 
     def __init__(self, target: Path, hf_ids: list[int], folder: Path, engine_args: dict, *, python=None, env=None):
         python = Path(python or vllm_python())
-        cmd = [str(python), str(RUNNER), "--extract", str(Path(target).resolve()), "--layers"]
-        cmd += [
-            ",".join(map(str, hf_ids)),
-            "--dir",
-            str(Path(folder).resolve()),
-            "--engine-args",
-            json.dumps(engine_args),
-        ]
+        options = {**extraction_args(hf_ids, folder), **engine_args}
+        cmd = [str(python), str(RUNNER), "--extract", str(Path(target).resolve()), json.dumps(options)]
         run_env = vllm_env(python)
-        run_env["PYTHONPATH"] = str(CONNECTOR_DIR)  # vLLM's worker processes import the connector too
+        run_env["PYTHONPATH"] = str(CONNECTOR_DIR)  # vLLM (its worker processes too) imports the connector
         super().__init__(cmd, {**run_env, **(env or {})})
 
     def extract(self, prompts: list[list[int]]) -> list[Path]:

@@ -4,7 +4,7 @@ export as its drafter.
 
     python vllm_runner.py JOB.json
     python vllm_runner.py --serve TARGET [--dtype D] [--max-model-len N]
-    python vllm_runner.py --extract TARGET --layers I,J,... --dir DIR [--engine-args JSON]
+    python vllm_runner.py --extract TARGET OPTIONS_JSON
 
 JOB: {"target": DIR, "prompts": [[id, ...], ...], "max_tokens": N, "exports": {name: DIR or null},
 "output": PATH}. Writes to ``output``: {name: {"tokens": [[id, ...], ...], "drafts": n,
@@ -17,12 +17,11 @@ counters (``vllm:spec_decode_num_drafts`` / ``vllm:spec_decode_num_accepted_toke
 new tokens without the eos, cut at max_tokens], ...]}`` (``serving.engines.VllmEngine``); vLLM's
 own log shares stdout, hence the marker.
 
-``--extract`` keeps one ``vllm.LLM`` of TARGET running vLLM's ``extract_hidden_states`` method at
-the given Hugging Face ``hidden_states`` indices, with the ``dflash_hidden_states`` connector (in
-``vllm_connector/`` beside this file, put on the path here) writing each prompt's states to DIR, and answers each stdin line {"prompts": [[id, ...],
-...]} with ``@@dflash-trainer {"files": [path per prompt]}`` once every file is complete. Prefix
-caching is off: a prompt whose prefix was cached would skip its forward, and its states with it.
-``--engine-args``: further ``vllm.LLM`` keyword arguments (tensor_parallel_size, quantization, ...).
+``--extract`` keeps one ``vllm.LLM(TARGET, **OPTIONS)`` running (OPTIONS: vLLM's
+``extract_hidden_states`` method and the ``dflash_hidden_states`` connector, from
+``serving.hidden_states.extraction_args``, plus the capture's own engine arguments; the connector's
+folder on PYTHONPATH) and answers each stdin line {"prompts": [[id, ...], ...]} with
+``@@dflash-trainer {"files": [path per prompt]}`` once every file is complete.
 """
 
 import gc
@@ -131,41 +130,13 @@ def serve(argv: list[str]) -> None:
 
 
 def extract(argv: list[str]) -> None:
-    import argparse
-    import os
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_connector"))
-
-    p = argparse.ArgumentParser()
-    p.add_argument("target")
-    p.add_argument("--layers", required=True)
-    p.add_argument("--dir", required=True)
-    p.add_argument("--engine-args", default="{}")
-    args = p.parse_args(argv)
+    target, options = argv[0], {"enforce_eager": True, **json.loads(argv[1])}
 
     def say(obj):
         print(MARK + json.dumps(obj), flush=True)
 
-    options = {"enforce_eager": True, **json.loads(args.engine_args)}
     try:
-        llm = LLM(
-            model=args.target,
-            enable_prefix_caching=False,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in args.layers.split(",")]}
-                },
-            },
-            kv_transfer_config={
-                "kv_connector": "DflashHiddenStatesConnector",
-                "kv_connector_module_path": "dflash_hidden_states",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": args.dir},
-            },
-            **options,
-        )
+        llm = LLM(model=target, **options)
     except Exception as exc:
         say({"error": one_line(exc)})
         return
