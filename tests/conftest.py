@@ -10,6 +10,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+    # A test that asks for more threads than its share (the thread-independence and two-thread
+    # bit-identity checks) shares the cores with the other workers: OpenMP's default active wait spins
+    # its idle threads through every slice they get (test_hardening_surfaces' two-thread DFlash2 runs:
+    # 32 CPU-s against 18 passive, measured with both cores busy); a passive wait sleeps instead.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # vLLM's CPU build binds one OpenMP thread to every core of the NUMA node ("auto") whatever
     # OMP_NUM_THREADS says; unbound, it keeps to the worker's share (the parity fixture's six engines:
     # 56 s of CPU on one thread instead of 72 s on two, measured on 2 cores, idle)

@@ -43,10 +43,16 @@ from .chunks import STATS, STATS_COLUMNS, chunk_rows, run_chunks
 from .terms import LossTerms
 
 
-@torch._dynamo.assume_constant_result
 def _terms_json(terms: LossTerms) -> str:
     """The op's string argument; a constant to torch.compile (dynamo cannot trace ``json.dumps``)."""
     return terms.to_json()
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo at import time: that
+# import costs about 1.6 s of CPU (`dflash-train --help`: 7.0 -> 4.0 s; a command that loads a transformers
+# model imports dynamo anyway, through its masking utilities). test_loss_ops.py compiles a step through
+# this op with fullgraph=True: it fails without the mark, so a torch that stops reading it is caught.
+_terms_json._dynamo_marked_constant = True
 
 
 COMPILE_ENV = "DFLASH_LOSS_COMPILE"  # "0" / "1" / "native" / "triton" override compile="auto"
