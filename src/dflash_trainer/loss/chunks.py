@@ -157,8 +157,8 @@ def run_chunks(
     """The chunk loop. Inputs ``[n, ...]`` are already compacted to the rows with weight > 0; ``keep``
     ``[n]`` says where each of them sits among the ``rows_in`` (N) rows of the call.
 
-    Returns ``(loss, stats, dh, extras)`` where ``stats`` is ``[num_slots or 1, 9]`` float64 sums of
-    ``STATS`` (rows, ce, kl, entropy of correct rows, correct, agreement, label probability, and the two
+    Returns ``(loss, stats, dh, extras)`` where ``stats`` is ``[num_slots or 1, 10]`` float64 sums of
+    ``STATS`` (rows, ce, kl, entropy of correct rows, correct, agreement, label probability, and the three
     pair statistics) and ``dh`` ``[N, H]`` is the gradient of the loss w.r.t. the uncompacted student
     rows, zero at weight-0 rows (None unless ``want_grad``). ``epilogue`` is the chunk kernel to use
     (None: the eager passes of ``eager.eager_chunk``). ``bias_rows`` ``[n, r]`` and ``bias_weight``
@@ -238,8 +238,8 @@ def run_chunks(
         correct = s_arg == y
         cap_sum += entropy[correct].double().sum()
         n_correct += int(correct.sum())
-        row_loss = (1 - a) * ce + a * temp**2 * kl
-        overlap, renyi_half = extra.get("overlap"), extra.get("renyi_half")
+        row_loss = t.base_weight * ((1 - a) * ce + a * temp**2 * kl)
+        overlap, renyi_half, reverse_kl = extra.get("overlap"), extra.get("renyi_half"), extra.get("reverse_kl")
         for term in t.pair_terms:  # the pluggable per-row terms: offset + scale * statistic, weighted
             if term.weight > 0:
                 value = term.offset + term.scale * extra[term.statistic]
@@ -288,6 +288,7 @@ def run_chunks(
                 torch.exp(z_y - lse),
                 overlap if overlap is not None else torch.zeros_like(ce),
                 renyi_half if renyi_half is not None else torch.zeros_like(ce),
+                reverse_kl if reverse_kl is not None else torch.zeros_like(ce),
             ],
             1,
         ).double()
@@ -353,5 +354,5 @@ def block_credit(block_ids: torch.Tensor, alpha: float, inv_rows: float):
 
 
 # The columns of the chunk loop's float64 sums (per slot): the base row terms, then the pair statistics.
-STATS = ("rows", "ce", "kl", "entropy", "correct", "agreement", "label_prob", "overlap", "renyi_half")
+STATS = ("rows", "ce", "kl", "entropy", "correct", "agreement", "label_prob", "overlap", "renyi_half", "reverse_kl")
 STATS_COLUMNS = len(STATS)

@@ -22,8 +22,8 @@ def eager_chunk(
     transient (logsumexp / entropy reductions). The pair statistics (``t.pair_statistics``) add one
     buffer ``r`` (teacher probabilities, then sqrt(p q), then the pair terms' gradient) and one
     transient; ``credit`` turns the chunk's label probabilities or overlaps ``[c]`` (``t.credit``) into
-    its rows' coefficients, and ``extra`` (a dict) receives ``overlap``, ``renyi_half`` and ``coef``
-    ``[c]``, and with ``t.top_k`` K > 0 ``topk`` = (logits ``[c, K]``, ids ``[c, K]``) of ``torch.topk``
+    its rows' coefficients, and ``extra`` (a dict) receives ``overlap``, ``renyi_half`` (with
+    ``t.reverse_kl`` also ``reverse_kl``) and ``coef`` ``[c]``, and with ``t.top_k`` K > 0 ``topk`` = (logits ``[c, K]``, ids ``[c, K]``) of ``torch.topk``
     over the transformed logits.
     """
     a, temp, tc = t.kl_weight, t.temperature, t.cap_temperature
@@ -48,7 +48,8 @@ def eager_chunk(
     if t.pair_statistics:  # at T = 1, before the KL pass turns zt into q^T in place
         w_half, w_overlap = t.gradient_weight("renyi_half"), t.gradient_weight("overlap")
         pt = torch.sub(zt, m_t[:, None], out=buffers["r"]).exp_()
-        pt.mul_(pt.sum(-1).reciprocal()[:, None])  # teacher probabilities
+        sum_t = pt.sum(-1)
+        pt.mul_(sum_t.reciprocal()[:, None])  # teacher probabilities
         accept = torch.minimum(p, pt).sum(-1)  # the overlap a = sum_v min(p_v, q_v)
         below = (p < pt) if (w_overlap != 0 and dh_rows is not None) else None  # the overlap's mask, bool [c, V]
         bc = pt.mul_(p).sqrt_().sum(-1)  # Bhattacharyya coefficient sum_v sqrt(p_v q_v)
@@ -68,6 +69,16 @@ def eager_chunk(
             mp.mul_((-scale)[:, None]).addcmul_(p, (scale * below_mass)[:, None])
             renyi_g = renyi_g.add_(mp) if renyi_g is not None else mp
             mp = None
+        if t.reverse_kl:  # KL(p || q) = sum_v p_v (log p_v - log q_v), from the logits: one transient [c, V]
+            log_ratio = torch.sub(zs, zt).add_((m_t + sum_t.log() - lse)[:, None])  # log p - log q
+            reverse = torch.linalg.vecdot(p, log_ratio)  # [c]
+            extra["reverse_kl"] = reverse
+            w_reverse = t.gradient_weight("reverse_kl")
+            if w_reverse != 0 and dh_rows is not None:
+                # d KL(p || q) / dz_v = p_v (log p_v - log q_v - KL), weighted like the other terms
+                g_reverse = log_ratio.sub_(reverse[:, None]).mul_(p).mul_((w_reverse * coef)[:, None])
+                renyi_g = renyi_g.add_(g_reverse) if renyi_g is not None else g_reverse
+            log_ratio = g_reverse = None
         pt = None
     elif extra is not None:
         extra.update(coef=coef)
@@ -104,15 +115,16 @@ def eager_chunk(
         kl = neg_entropy_q - cross
 
     if dh_rows is not None:
-        # p becomes G in place: w [ (1-a)(p - e_y) + a T (p^T - q^T) ] / sum w
-        if a > 0 and temp == 1.0:  # p^T = p: G = coef (p - a q) - (1-a) coef e_y
-            p.mul_(coef[:, None]).addcmul_(q, coef[:, None], value=-a)
+        # p becomes G in place: w b [ (1-a)(p - e_y) + a T (p^T - q^T) ] / sum w, b = base_weight
+        base = t.base_weight * coef  # [c]
+        if a > 0 and temp == 1.0:  # p^T = p: G = b coef (p - a q) - (1-a) b coef e_y
+            p.mul_(base[:, None]).addcmul_(q, base[:, None], value=-a)
         else:
-            p.mul_(((1 - a) * coef)[:, None])
+            p.mul_(((1 - a) * base)[:, None])
             if a > 0:
                 pt_minus_q = log_pt.exp_().sub_(q)
-                p.addcmul_(pt_minus_q, coef[:, None], value=a * temp)
-        p.scatter_add_(1, y[:, None], (-(1 - a) * coef)[:, None])
+                p.addcmul_(pt_minus_q, base[:, None], value=a * temp)
+        p.scatter_add_(1, y[:, None], (-(1 - a) * base)[:, None])
         if renyi_g is not None:
             p.add_(renyi_g)
         q = log_pt = pt_minus_q = renyi_g = None

@@ -188,7 +188,7 @@ def _loss_forward(
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
-    """``(loss [], stats [max(num_slots, 1), 9] float64, dh [N, H] or [0, H], overlap [N] or [0],
+    """``(loss [], stats [max(num_slots, 1), 10] float64, dh [N, H] or [0, H], overlap [N] or [0],
     dbias_rows [N, r] or [0, r], dbias_weight [V, r] or [0, r], topk_ids [N, K] int64,
     topk_logits [N, K])`` of ``hs`` ``[N, H]``, K = ``terms.top_k`` (0: both ``[N, 0]``).
 

@@ -3,12 +3,13 @@
 It materializes everything the fused loss avoids, so it is only for tests (float64 exactness) and
 benchmarks. Math (shared/DESIGN.md section 3), with z = logits after the target's scaling/softcap:
 
-    L   = sum_i w_i [ (1-a) CE(p_i, y_i) + a T^2 KL(q_i^T || p_i^T) ] / sum_i w_i  +  lambda * CAP
+    L   = sum_i w_i b [ (1-a) CE(p_i, y_i) + a T^2 KL(q_i^T || p_i^T) ] / sum_i w_i  +  lambda * CAP
     CAP = mean over rows (w_i > 0) whose student argmax equals y_i of the entropy of softmax(z_i / Tc)
 
 The terms are ``loss.terms.LossTerms``: a low-rank bias z_i += e_i W2^T, the pair statistics as their
 definitions write them (the overlap as 1 - 0.5 sum_v |p - q|, which the fused loss computes as
-sum_v min(p, q); -2 log sum_v sqrt(p q)), and a block credit computed here with a plain loop over blocks.
+sum_v min(p, q); -2 log sum_v sqrt(p q); the reverse KL from the two log-softmaxes), ``b`` the
+``base_weight``, and a block credit computed here with a plain loop over blocks.
 """
 
 from __future__ import annotations
@@ -53,18 +54,20 @@ def reference_draft_loss(
         if label_source == "teacher":
             y = zt.argmax(-1)
     ce = F.cross_entropy(zs, y, reduction="none")
-    loss_rows = (1 - kl_weight) * ce
+    blend = (1 - kl_weight) * ce
     kl = torch.zeros_like(ce)
     if kl_weight > 0:
         log_q = F.log_softmax(zt / temperature, -1)
         log_p = F.log_softmax(zs / temperature, -1)
         kl = (log_q.exp() * (log_q - log_p)).sum(-1)
-        loss_rows = loss_rows + kl_weight * temperature**2 * kl
+        blend = blend + kl_weight * temperature**2 * kl
+    loss_rows = t.base_weight * blend
     statistics = {}
     if t.pair_statistics:  # as their definitions write them
         p, q = F.softmax(zs, -1), F.softmax(zt, -1)
         statistics["overlap"] = 1 - 0.5 * (p - q).abs().sum(-1)  # 1 - TV = sum_v min(p_v, q_v)
         statistics["renyi_half"] = -2 * (p * q).sqrt().sum(-1).log()
+        statistics["reverse_kl"] = (p * (F.log_softmax(zs, -1) - F.log_softmax(zt, -1))).sum(-1)  # KL(p || q)
         for term in t.pair_terms:
             if term.weight > 0:
                 loss_rows = loss_rows + term.weight * (term.offset + term.scale * statistics[term.statistic])

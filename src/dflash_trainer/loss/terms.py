@@ -9,11 +9,15 @@ the target's logit transform) and the pluggable ones:
 
       overlap     a = sum_v min(p_v, q_v)             (the acceptance of a sampled draft; 1 - TV)
       renyi_half  d = -2 log sum_v sqrt(p_v q_v)      (the Renyi divergence of order 1/2)
+      reverse_kl  r = sum_v p_v log(p_v / q_v)        (KL(p || q): mode-seeking, the on-policy stage's)
 
   A term's value per row is ``offset + scale * statistic``; its ``weight`` adds ``weight * value`` to
   the row's loss, weighted like CE (0: a metric only). The native and Triton kernels apply the
   gradient of ``renyi_half`` terms in their row pass; a weighted ``overlap`` term (its gradient needs
-  the mask ``p < q``) runs the eager passes, which implement both.
+  the mask ``p < q``) and any ``reverse_kl`` term (the kernels do not compute it) run the eager passes,
+  which implement all three.
+- ``base_weight``: the weight of the CE/KL blend itself (1 by default; 0 leaves the pair terms and CAP
+  alone: the on-policy stage's rejected rows, whose loss is a reverse KL only).
 - ``credit``: a block credit that replaces the rows' weights (``BlockCredit``: D-PACE from the
   student's label probability, D-PARD from the overlap).
 - ``top_k``: each row's K largest student logits and their ids, selected inside the chunk loop.
@@ -29,8 +33,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Literal
 
-STATISTICS = ("overlap", "renyi_half")
-Statistic = Literal["overlap", "renyi_half"]
+STATISTICS = ("overlap", "renyi_half", "reverse_kl")
+Statistic = Literal["overlap", "renyi_half", "reverse_kl"]
 CONFIDENCES = ("label_prob", "overlap")
 
 
@@ -90,15 +94,17 @@ class BlockCredit:
 class LossTerms:
     """The draft loss's terms (shared/DESIGN.md section 3), validated on construction:
 
-    ``L = sum_i c_i [(1-a) CE_i + a T^2 KL(q_i^T || p_i^T) + sum_terms weight * value_i] + cap_weight * CAP``
+    ``L = sum_i c_i [b ((1-a) CE_i + a T^2 KL(q_i^T || p_i^T)) + sum_terms weight * value_i] + cap_weight * CAP``
 
-    with ``c_i = w_i / sum w`` (or the block credit), ``a = kl_weight``, ``T = temperature``; CAP the mean
+    with ``c_i = w_i / sum w`` (or the block credit), ``b = base_weight``, ``a = kl_weight``,
+    ``T = temperature``; CAP the mean
     entropy of softmax(z / cap_temperature) over rows whose argmax equals the label. ``label_source``
     "teacher" takes the teacher's argmax as the label; ``logit_scale`` and ``softcap`` are the target's
     logit transform (``loss.logits.transform_logits``)."""
 
     kl_weight: float = 0.0
     temperature: float = 1.0
+    base_weight: float = 1.0
     cap_weight: float = 0.0
     cap_temperature: float = 1.0
     label_source: Literal["data", "teacher"] = "data"
@@ -111,6 +117,9 @@ class LossTerms:
     def __post_init__(self):
         _check("label_source", self.label_source in ("data", "teacher"), "'data' or 'teacher'", self.label_source)
         _check("kl_weight", _number(self.kl_weight) and 0.0 <= self.kl_weight <= 1.0, "in [0, 1]", self.kl_weight)
+        _check(
+            "base_weight", _number(self.base_weight) and 0.0 <= self.base_weight <= 1.0, "in [0, 1]", self.base_weight
+        )
         _check("temperature", _number(self.temperature) and self.temperature > 0, "> 0", self.temperature)
         _check(
             "cap_temperature", _number(self.cap_temperature) and self.cap_temperature > 0, "> 0", self.cap_temperature
@@ -149,11 +158,18 @@ class LossTerms:
         return sum(t.weight * t.scale for t in self.pair_terms if t.statistic == statistic and t.weight > 0)
 
     @property
+    def reverse_kl(self) -> bool:
+        """Whether the row pass computes the reverse KL (a ``reverse_kl`` term, weighted or a metric)."""
+        return any(t.statistic == "reverse_kl" for t in self.pair_terms)
+
+    @property
     def kernel_ready(self) -> bool:
-        """Whether the native and Triton kernels compute everything: no weighted overlap term, and the
-        ``renyi_half`` terms' gradient weight not negative (the kernels take a weight >= 0)."""
+        """Whether the native and Triton kernels compute everything: no weighted overlap term, no
+        reverse KL, the whole CE/KL blend (``base_weight`` 1), and the ``renyi_half`` terms' gradient
+        weight not negative (the kernels take a weight >= 0)."""
         overlap = any(t.weight > 0 and t.statistic == "overlap" for t in self.pair_terms)
-        return not overlap and self.gradient_weight("renyi_half") >= 0
+        plain = not overlap and not self.reverse_kl and self.base_weight == 1.0
+        return plain and self.gradient_weight("renyi_half") >= 0
 
     def to_json(self) -> str:
         """The terms as a string: what the custom op takes (its schema holds no dataclasses)."""
