@@ -299,11 +299,19 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
     p.add_argument("--overwrite", action="store_true", help="start over in an output_dir that holds checkpoints")
+    p.add_argument(
+        "--stage",
+        choices=("sft", "on-policy"),
+        help="train.stage: sft (the default) or on-policy (the drafter's own rollouts; settings on_policy.*, "
+        "start from a trained drafter with --set drafter.init_from=CKPT)",
+    )
     p.set_defaults(func=_cmd_train)
     return p
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.stage is not None:  # the flag is train.stage, after every --set
+        args.overrides = [*(args.overrides or []), f"train.stage={args.stage.replace('-', '_')}"]
     run_training(
         resolve_config(args),
         resume=None if args.resume == "none" else args.resume,

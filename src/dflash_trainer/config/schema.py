@@ -356,6 +356,23 @@ class TrainConfig(Section):
     tracker_project: str = Field(
         "dflash-trainer", min_length=1, description="the wandb / trackio project and the MLflow experiment"
     )
+    stage: Literal["sft", "on_policy"] = Field(
+        "sft",
+        description="sft: imitation of the data's text; on_policy: the drafter's own rollouts, verified by the "
+        "target (Draft-OPD; settings in on_policy.*, start from a trained drafter with drafter.init_from)",
+    )
+
+
+class OnPolicyConfig(Section):
+    """``train.stage=on_policy``: rollouts of the drafter on the training rows' prompts, trained on
+    (``training/on_policy.py``; start from an SFT drafter with ``drafter.init_from``)."""
+
+    temperature: float = Field(
+        0.0, ge=0.0, description="the rollouts' verification: 0 = greedy, T > 0 = lossless speculative sampling at T"
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="the rollouts' nucleus at temperature > 0")
+    max_new_tokens: int = Field(64, ge=1, description="tokens each rollout generates after its prompt")
+    kl_temperature: float = Field(1.0, gt=0.0, description="temperature of the forward KL on accepted slots")
 
 
 class TopologyConfig(Section):
@@ -420,6 +437,7 @@ class RunConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
@@ -428,6 +446,21 @@ class RunConfig(Section):
     def _anchors_fit_row(self) -> RunConfig:
         if self.drafter.block_span > self.data.seq_len:
             raise ValueError(f"drafter.block_size {self.drafter.block_size} exceeds data.seq_len {self.data.seq_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _on_policy_runs_here(self) -> RunConfig:
+        if self.train.stage != "on_policy":
+            return self
+        if self.drafter.variant != "dflash":
+            raise ValueError(
+                f"train.stage=on_policy trains DFlash drafters, not drafter.variant={self.drafter.variant}"
+            )
+        if self.data.features or self.topology.target_ranks:
+            raise ValueError(
+                "train.stage=on_policy runs its rollouts in the training process: not from a feature cache "
+                "(data.features) nor with target ranks (topology.target_ranks)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -45,10 +45,24 @@ class DecodeResult:
     anchors: list[int] = field(default_factory=list)  # anchor position of each round
     drafted: list[int] = field(default_factory=list)  # drafts proposed per round (the chain's length)
     seconds: float = 0.0
+    rounds: list[VerifiedBlock] = field(default_factory=list)  # with generate(record=True): each round's block
 
     @property
     def tau(self) -> float:
         return sum(a + 1 for a in self.accepted) / max(1, len(self.accepted))
+
+
+@dataclass
+class VerifiedBlock:
+    """One chain round as the target verified it (``generate(..., record=True)``): what the on-policy
+    stage trains on. ``teacher`` row j is the target's final-normed hidden state at position
+    ``anchor_pos + j``, after the anchor and drafts ``1..j`` (accepted or not): the state that predicts
+    slot ``j + 1``, read from the verification pass itself (no extra target pass)."""
+
+    anchor_pos: int
+    drafts: list[int]  # [D] the proposed chain, D = B - 1
+    accepted: int  # drafts the target accepted (a prefix of ``drafts``)
+    teacher: torch.Tensor  # [D, H]
 
 
 @dataclass
@@ -89,6 +103,7 @@ class SpeculativeDecoder:
             **{self._cache_kwarg: cache},
         )
         feats = torch.cat([out.hidden_states[i + 1][0] for i in self.target.layer_ids], dim=-1)
+        self.final_hidden = out.hidden_states[-1][0]  # [q, H] final-normed (a view: no copy, no compute)
         return out.logits[0], feats
 
     def _extend_context(self, drafter_cache, feats: torch.Tensor, start: int):
@@ -135,13 +150,17 @@ class SpeculativeDecoder:
         budget: int = 64,
         policy=None,
         prefilled: Prefilled | None = None,
+        record: bool = False,
     ) -> DecodeResult:
         """Decode ``prompt_ids``; ``policy`` (``inference.sampling``) picks the target's tokens:
         greedy by default, ``SampledVerification(T, top_p, seed)`` for lossless speculative sampling.
-        ``prefilled``: ``prefill(prompt_ids)``, decoded from a copy (it stays reusable)."""
+        ``prefilled``: ``prefill(prompt_ids)``, decoded from a copy (it stays reusable). ``record``
+        (chain only): every round's ``VerifiedBlock`` in ``result.rounds``."""
         policy = policy or GreedyVerification()
         if mode not in ("chain", "ddtree"):
             raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
+        if record and mode != "chain":
+            raise ValueError("record=True records chain rounds only")
         if budget < 1:
             raise ValueError(f"DDTree budget must be >= 1, got {budget}")
         if prefilled is not None and prefilled.prompt_ids != list(prompt_ids):
@@ -162,6 +181,9 @@ class SpeculativeDecoder:
             result.drafted.append(len(drafts))
             if mode == "chain":
                 accepted, bonus, feats = self._verify_chain(anchor, pos, drafts, cache, policy)
+                if record:
+                    teacher = self.verified_hidden[: len(drafts)].clone()
+                    result.rounds.append(VerifiedBlock(pos, list(drafts), len(accepted), teacher))
             elif cache.recurrent:
                 accepted, bonus, feats = self._verify_tree_paths(anchor, pos, tree_of(budget), cache, policy)
             else:
@@ -184,6 +206,7 @@ class SpeculativeDecoder:
         fed = [anchor, *drafts]
         cache.save()
         logits, feats = self._forward(fed, torch.arange(pos, pos + len(fed)), cache.cache)
+        self.verified_hidden = self.final_hidden  # [B, H] before a replay below overwrites final_hidden
         # the target's token after position pos + i: its argmax, or its sample (policy)
         n, bonus = walk_chain(drafts, (policy or GreedyVerification()).rows(logits))
         if cache.keep_prefix(len(fed), n + 1):  # keep the anchor and the accepted drafts

@@ -23,13 +23,15 @@ from .fused import fused_draft_loss
 from .terms import LossTerms, PairTerm
 
 
-def on_policy_terms(temperature: float = 1.0) -> tuple[LossTerms, LossTerms]:
+def on_policy_terms(temperature: float = 1.0, logit_options: dict | None = None) -> tuple[LossTerms, LossTerms]:
     """``(accepted rows' terms, rejected rows' terms)``: the forward KL at ``temperature`` alone (CE
     weight 0), and the reverse KL alone (``base_weight`` 0); both label with the teacher's argmax, so
-    the reported CE and accuracy are against the target's own choice for the slot."""
-    accepted = LossTerms(kl_weight=1.0, temperature=temperature, label_source="teacher")
+    the reported CE and accuracy are against the target's own choice for the slot. ``logit_options``:
+    the target's logit transform (``logit_scale``, ``softcap``)."""
+    opts = logit_options or {}
+    accepted = LossTerms(kl_weight=1.0, temperature=temperature, label_source="teacher", **opts)
     reverse = PairTerm("reverse_kl", "reverse_kl", weight=1.0)
-    rejected = LossTerms(base_weight=0.0, label_source="teacher", pair_terms=(reverse,))
+    rejected = LossTerms(base_weight=0.0, label_source="teacher", pair_terms=(reverse,), **opts)
     return accepted, rejected
 
 
@@ -41,6 +43,7 @@ def on_policy_loss(
     weights: torch.Tensor,
     *,
     temperature: float = 1.0,
+    logit_options: dict | None = None,
     slot_ids: torch.Tensor | None = None,
     num_slots: int | None = None,
     chunk_size: int | None = None,
@@ -48,7 +51,8 @@ def on_policy_loss(
     compile: bool | str = "auto",
 ) -> tuple[torch.Tensor, dict]:
     """The on-policy loss (module docstring) of ``student_hidden`` ``[N, H]`` against ``teacher_hidden``
-    ``[N, H]`` through the frozen head ``[V, H]``; ``accepted`` ``[N]`` bool, ``weights`` ``[N]`` >= 0.
+    ``[N, H]`` through the frozen head ``[V, H]``; ``accepted`` ``[N]`` bool, ``weights`` ``[N]`` >= 0;
+    ``logit_options`` the target's logit transform (``DrafterSpec.logit_options``).
 
     Returns ``(loss, metrics)``: ``forward_kl`` (mean over the accepted rows with weight, before T^2),
     ``reverse_kl`` (mean over the rejected ones), ``accepted_rows``, ``rejected_rows``, ``agreement``
@@ -59,7 +63,7 @@ def on_policy_loss(
             f"on_policy_loss: accepted must be a bool tensor shaped like weights {tuple(weights.shape)}, "
             f"got {tuple(accepted.shape)} {accepted.dtype}"
         )
-    on_accepted, on_rejected = on_policy_terms(temperature)
+    on_accepted, on_rejected = on_policy_terms(temperature, logit_options)
     zero = torch.zeros_like(weights)
     w_acc, w_rej = torch.where(accepted, weights, zero), torch.where(accepted, zero, weights)
     kw = dict(

@@ -65,6 +65,9 @@ class Workload:
     # the variant's settings as sorted (key, value) pairs: what it adds to a layer's activations and to
     # the loss phase it prices itself, beside its code (``Variant.layer_activations``, ``loss_activations``)
     variant_options: tuple = ()
+    # train.stage=on_policy (training/on_policy.py): the longest rollout, prompt (at most a row) +
+    # on_policy.max_new_tokens + a block of padding; 0 = an SFT run
+    rollout_tokens: int = 0
 
     @property
     def queries(self) -> int:
@@ -129,6 +132,29 @@ class DrafterDims:
     @property
     def kvd(self) -> int:
         return self.kv_heads * self.head_dim
+
+
+# -- the on-policy rollout -------------------------------------------------------------------------
+
+
+def rollout_items(s: TargetShape, w: Workload) -> dict[str, int]:
+    """Bytes alive while the target decodes one prompt with the drafter (``collect_rollout``), over
+    ``R = w.rollout_tokens`` positions and blocks of B:
+
+    - the target's KV cache: keys and values of every full-attention layer, ``2 * layers * kv_heads *
+      head_dim * R`` in the target dtype (a linear-attention layer's recurrent state does not grow with R);
+    - one verification pass: its logits ``[B, V]`` and every layer's hidden states ``[layers + 1, B, H]``
+      (``output_hidden_states``: the hooked layers' features and the teacher rows), target dtype;
+    - the teacher rows recorded for training, at most one block per generated token ``[R, H]``;
+    - the drafter's context keys and values (``SpeculativeDecoder``), ``2 * drafter_layers * R * kv_dim``
+      fp32."""
+    r, b, t, d = w.rollout_tokens, w.block_size, w.t, DrafterDims.of(s, w.drafter_intermediate)
+    return {
+        "rollout KV cache (target)": 2 * s.num_full_attention * s.num_kv_heads * s.head_dim * r * t,
+        "rollout verification pass": b * s.vocab_size * t + (s.num_layers + 1) * b * s.hidden_size * t,
+        "rollout teacher rows": r * b * s.hidden_size * t,
+        "rollout drafter context (keys, values)": 2 * w.drafter_layers * r * d.kvd * 4,
+    }
 
 
 # -- parameters -----------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 A drafter device goes through these phases every step (``Trainer.train_step``), and the peak is the
 largest of them:
 
+    rollout          (train.stage=on_policy) the target decoding a prompt with the drafter: its KV
+                     cache, one verification pass, the recorded teacher rows (``rollout_items``)
     target forward   (only when the target shares the device) weights + body-only forward temporaries
     drafter forward  features, masks, activations saved so far, the layer's temporaries
     loss             saved activations, drafter output, loss inputs, fused-loss workspace
@@ -242,6 +244,8 @@ def drafter_phases(
     tmp_name = "temporaries (largest step)"
 
     phases: dict[str, dict[str, int]] = {}
+    if colocated and w.rollout_tokens:  # train.stage=on_policy: the rollout before the step
+        phases["rollout"] = {**static, **F.rollout_items(s, w)}
     if colocated:
         phases["target forward"] = {
             **static,
@@ -336,6 +340,10 @@ _DRAFTER_ORDER = [
     "target activations (body-only forward)",
     "captured hidden states",
     "attention mask (packed rows, sdpa)",
+    "rollout KV cache (target)",
+    "rollout verification pass",
+    "rollout teacher rows",
+    "rollout drafter context (keys, values)",
     "context features (received)",
     "features read from the cache",
     "next row's features (in flight)",
@@ -395,6 +403,7 @@ def drafter_device_plan(s, w, topo, layer_ids, chunk, naive=False, correct_fract
     notes["fused loss workspace"] = f"chunks of {min(chunk, w.loss_rows)} rows over {w.loss_rows:,} rows"
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     notes["temporaries (largest step)"] = {
+        "rollout": "",
         "target forward": "",
         "drafter forward": "inside one layer's forward",
         "loss": "",

@@ -54,6 +54,9 @@ def workload_from_config(cfg) -> F.Workload:
         or lo.tv_weight > 0
         or variant_terms["variant_teacher"],
         **variant_terms,
+        rollout_tokens=(
+            cfg.data.seq_len + cfg.on_policy.max_new_tokens + d.block_size if tr.stage == "on_policy" else 0
+        ),
     )
 
 

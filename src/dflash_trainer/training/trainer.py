@@ -10,8 +10,11 @@ numbers of a run do not depend on how many processes produce rows. Per row (``st
     batch    = drafter_step(drafter, features, cfg)         # [nb*B, H], nb = max_anchors (padded)
     loss     = draft_loss(drafter, batch, cfg)              # fused: never [positions x vocab]
 
-then gradient clipping and the optimizer step (``optim.py``: AdamW or Muon + AdamW, fp32 master
-weights, optional bf16 autocast; a cosine, linear or WSD schedule with warmup). Checkpoints (``checkpoint.py``) hold everything a bit-identical resume needs. On a
+(under ``train.stage=on_policy`` the row's prompt is decoded by the target with the drafter, and the
+loss is on those rounds' blocks instead: ``on_policy.py``), then gradient clipping and the optimizer
+step (``optim.py``: AdamW or Muon + AdamW, fp32 master weights, optional bf16 autocast; a cosine,
+linear or WSD schedule with warmup). Checkpoints (``checkpoint.py``) hold everything a bit-identical
+resume needs. On a
 drafter rank of a distributed run (``distributed.py``) the features arrive from the target ranks
 instead of being produced here, the drafter may be wrapped in DDP, and only drafter rank 0 writes.
 """
@@ -37,6 +40,7 @@ from ..data.blocks import valid_anchor_positions
 from ..data.packing import PackedRow, doc_ids_from_positions
 from ..errors import UserError
 from ..inference.acceptance import EvalInputError, acceptance_report
+from ..inference.regenerate import eos_ids
 from ..io import atomic_write
 from ..model.drafter import DFlashDrafter, DrafterSpec, resolve_mask_token_id
 from ..model.target import TargetModel
@@ -49,12 +53,15 @@ from .checkpoint import (
     save_training_checkpoint,
 )
 from .distributed import StepPlan
+from .on_policy import collect_rollout, on_policy_row, row_prompt
 from .optim import Optimizers, muon_matrices, resolve_epochs
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
 from .trackers import STATE_FILE as TRACKER_STATE
 from .trackers import Trackers, resolve_trackers, tracker_run_name
 from .warm_start import warm_start
 
+SFT_LOGGED = ("ce", "kl", "cap", "accuracy")  # a step's metrics beside its loss, per stage
+ON_POLICY_LOGGED = ("forward_kl", "reverse_kl", "rollout_tau", "accepted_share")
 EVAL_SEED = 1234  # anchors of the periodic evaluation: the same blocks at every evaluation
 EVAL_BLOCKS_PER_ROW = 64
 
@@ -177,6 +184,8 @@ class Counters:
     consecutive_nonfinite: int = 0
     rows_without_anchors: int = 0
     tokens: int = 0
+    rollout_target_tokens: int = 0  # train.stage=on_policy: tokens the target ran for the rollouts,
+    rollout_feature_tokens: int = 0  # and then over the rollouts' text for the drafter's context rows
     history: list = field(default_factory=list)
 
 
@@ -233,6 +242,7 @@ class Trainer:
         )
         self.stop_requested = None
         self.trackers: Trackers | None = None
+        self.eos = eos_ids(target.model, tokenizer) if cfg.train.stage == "on_policy" else []
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -319,22 +329,35 @@ class Trainer:
         self.c.rows_without_anchors += skipped
         self.c.rows_consumed = self.plan.next_g
         mine = self._my_rows(rows)
-        # [loss, ce, kl, cap, accuracy, tokens, finite, *the variant's logged metrics]: summed over this
-        # rank's rows, then over drafter ranks
+        # [loss, *logged (4), tokens, finite, *the variant's logged metrics]: summed over this rank's rows,
+        # then over drafter ranks
+        on_policy = cfg.train.stage == "on_policy"
+        logged = ON_POLICY_LOGGED if on_policy else SFT_LOGGED
         extra = variant_of(self.drafter.spec).logged_metrics
         totals = torch.zeros(7 + len(extra), dtype=torch.float64)
         totals[6] = 1.0
         for j, g in enumerate(mine):
-            feats = (
-                self.feed.take(g)
-                if self.feed is not None
-                else produce_row_features(self.target, self.stream[g], g, cfg)
-            )
+            if on_policy:  # the drafter's own rollout of the row's prompt (its rounds are the blocks)
+                rollout = self._rollout(g)
+                if rollout is None:
+                    continue
+                n_tokens = int(rollout.loss_mask.sum())
+            else:
+                feats = (
+                    self.feed.take(g)
+                    if self.feed is not None
+                    else produce_row_features(self.target, self.stream[g], g, cfg)
+                )
+                n_tokens = feats.input_ids.numel()
             sync = nullcontext() if not self.data_parallel or j == len(mine) - 1 else self.forward.no_sync()
             with sync:
-                with row_rng(cfg.train.seed, g, feats.context.device):
-                    batch = drafter_step(self.drafter, feats, cfg, train=True, forward=self.forward)
-                loss, metrics = draft_loss(self.drafter, batch, cfg)
+                if on_policy:
+                    with row_rng(cfg.train.seed, g, self.device):
+                        loss, metrics = on_policy_row(self.target, self.drafter, rollout, cfg, forward=self.forward)
+                else:
+                    with row_rng(cfg.train.seed, g, feats.context.device):
+                        batch = drafter_step(self.drafter, feats, cfg, train=True, forward=self.forward)
+                    loss, metrics = draft_loss(self.drafter, batch, cfg)
                 finite = bool(torch.isfinite(loss))
                 # a non-finite row still runs backward on data-parallel ranks (DDP's all-reduce needs every
                 # rank); its gradients are thrown away below
@@ -343,11 +366,11 @@ class Trainer:
                         (torch.nan_to_num(loss) / self.loss_divisor).backward()
             totals[6] = min(totals[6].item(), float(finite))
             totals[0] += loss.item() / cfg.train.grad_accum
-            for k, name in enumerate(("ce", "kl", "cap", "accuracy"), start=1):
+            for k, name in enumerate(logged, start=1):
                 totals[k] += metrics[name].item() / cfg.train.grad_accum
             for k, name in enumerate(extra, start=7):
                 totals[k] += float(metrics[name]) / cfg.train.grad_accum
-            totals[5] += feats.input_ids.numel()
+            totals[5] += n_tokens
         if self.data_parallel:
             finite_flag = totals[6].clone()
             torch.distributed.all_reduce(totals, group=self.group)
@@ -374,9 +397,26 @@ class Trainer:
             return None
         self.c.consecutive_nonfinite = 0
         self.optimizer_step()
-        out = {name: totals[k].item() for k, name in enumerate(("loss", "ce", "kl", "cap", "accuracy"))}
+        out = {name: totals[k].item() for k, name in enumerate(("loss", *logged))}
+        if on_policy:
+            out["rollout_target_tokens"] = self.c.rollout_target_tokens
         out.update({name: totals[k].item() for k, name in enumerate(extra, start=7)})
         return {**out, "grad_norm": grad_norm, "lr": self.optimizers.lr, "tokens": tokens}
+
+    def _rollout(self, g: int):
+        """Row ``g``'s on-policy rollout (``on_policy.collect_rollout``), or None (counted with the rows
+        without anchors) when the row has no prompt or decoding verified no round."""
+        prompt = row_prompt(self.stream[g])
+        rollout = None
+        if prompt is not None:
+            with phase("rollout"):
+                rollout = collect_rollout(self.target, self.drafter, prompt, self.eos, self.cfg, g)
+        if rollout is None:
+            self.c.rows_without_anchors += 1
+        else:
+            self.c.rollout_target_tokens += rollout.target_tokens
+            self.c.rollout_feature_tokens += rollout.input_ids.numel()  # on_policy_row's target pass
+        return rollout
 
     def zero_grad(self) -> None:
         self.optimizers.zero_grad()

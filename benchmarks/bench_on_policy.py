@@ -1,0 +1,171 @@
+"""The on-policy stage against more SFT at equal compute, on the embedded tiny target and the demo's data.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_on_policy.py [--seeds 0 1] [--steps 800] [--on-policy 100]
+    # writes benchmarks/results/on_policy.{json,md}
+
+Per seed, three arms from the demo's regenerated data (the tiny-demo preset in fp32, its default recipe):
+
+    sft        S SFT steps
+    op-T0      S - k SFT steps, then k on-policy steps (``train --stage on-policy``) from that checkpoint,
+               greedy rollouts
+    op-T1      the same S - k SFT checkpoint, then k on-policy steps with rollouts sampled at T = 1
+
+Compute is counted in target tokens (the tiny target's forward passes dominate a step's cost beside the
+drafter's): an SFT step runs the target over its packed row (``data.seq_len`` tokens); an on-policy step
+runs it over the rollout (prompt prefill, one verification pass of B tokens per round, replays) and
+once more over the rollout's text for the drafter's context rows. The table gives both arms' totals.
+
+Scored on the same held-out rows as the demo: teacher-forced chain tau, decode-path tau (equal to real
+greedy decoding round for round), DDTree tau at budget 16, and chain tau at T = 1, expected along the
+rows and measured by real speculative sampling of the held-out prompts (``chain_tau_both_ways``).
+Served numbers through vLLM are not part of this benchmark (docs/on-policy.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from demo_bench import demo_data, results_header, train_on_demo_data
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARMS = ("sft", "op-T0", "op-T1")
+
+
+def score(target, drafter, rows, eos) -> dict:
+    from dflash_trainer.inference.acceptance import acceptance_report
+    from dflash_trainer.inference.sampled_acceptance import chain_tau_both_ways
+
+    rep = acceptance_report(target, drafter, rows, budgets=[16], decode_path=True)
+    t1 = chain_tau_both_ways(target, drafter, rows, eos, temperature=1.0)
+    return {
+        "tau": rep["tau"],
+        "decode_tau": rep["decode_tau"],
+        "ddtree16_tau": rep["ddtree_tau"][0],
+        "t1_expected": t1["expected"],
+        "t1_measured": t1["measured"],
+        "t1_stderr": t1["measured_stderr"],
+        "slot_acceptance": rep["slot_acceptance"],
+    }
+
+
+def run_seed(root: Path, seed: int, steps: int, k: int) -> list[dict]:
+    """The three arms of one seed, in this process; their result rows."""
+    import torch
+
+    from dflash_trainer.inference.regenerate import eos_ids
+
+    base = [f"train.seed={seed}", "train.dtype=float32"]
+    out = []
+    t0 = time.time()
+    cfg, target, trainer, rows, seconds = train_on_demo_data(
+        root, root / f"sft-s{seed}", [*base, f"train.max_steps={steps}"]
+    )
+    eos = eos_ids(target.model, trainer.tokenizer)
+    seq = cfg.data.seq_len
+    out.append({"arm": "sft", "seed": seed, "train_seconds": round(seconds, 1), "target_tokens": steps * seq,
+                **score(target, trainer.drafter, rows, eos)})  # fmt: skip
+    sft_k = root / f"sft{steps - k}-s{seed}"
+    cfg, target, trainer, rows, seconds_sft = train_on_demo_data(root, sft_k, [*base, f"train.max_steps={steps - k}"])
+    ckpt = sft_k / "checkpoints" / f"step-{steps - k:07d}"
+    for arm, temperature in (("op-T0", 0.0), ("op-T1", 1.0)):
+        settings = [*base, "train.stage=on_policy", f"train.max_steps={k}", f"drafter.init_from={ckpt}"]
+        settings += [f"on_policy.temperature={temperature}", f"train.save_every={k}", f"train.eval_every={k}"]
+        _, target, trainer, rows, seconds = train_on_demo_data(root, root / f"{arm}-s{seed}", settings)
+        # the rollouts' target tokens, and the feature pass over each rollout's text (trainer counters)
+        rollout_tokens = trainer.c.rollout_target_tokens
+        feature_tokens = trainer.c.rollout_feature_tokens
+        out.append({
+            "arm": arm, "seed": seed, "train_seconds": round(seconds_sft + seconds, 1),
+            "target_tokens": (steps - k) * seq + rollout_tokens + feature_tokens,
+            "rollout_target_tokens": rollout_tokens, "feature_tokens": feature_tokens,
+            **score(target, trainer.drafter, rows, eos),
+        })  # fmt: skip
+    for r in out:
+        r["torch_threads"] = torch.get_num_threads()
+    print(f"seed {seed}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def write_results(args, root: Path, runs: list, t0: float) -> None:
+    cmd = "PYTHONPATH=src .venv/bin/python benchmarks/bench_on_policy.py --seeds " + " ".join(map(str, args.seeds))
+    cmd += f" --steps {args.steps} --on-policy {args.on_policy}"
+    info = {**results_header(root, cmd, t0), "steps": args.steps, "on_policy_steps": args.on_policy, "runs": runs}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "on_policy.json").write_text(json.dumps(info, indent=1) + "\n")
+    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
+    lines = [
+        "# The on-policy stage against more SFT (tiny target, demo data, equal compute)",
+        "",
+        f"`{cmd}` ({info['date']}, {info['total_seconds']} s).",
+        f"Same regenerated data ({info['records']['train']} training / {info['records']['eval']} held-out records), "
+        f"the tiny-demo preset in fp32 with its default recipe. `sft`: {args.steps} SFT steps. `op-T0` / `op-T1`: "
+        f"{args.steps - args.on_policy} SFT steps, then {args.on_policy} on-policy steps from that checkpoint with "
+        "greedy / T = 1 rollouts (64 new tokens each). Target tokens: the compute the arms spent on the target "
+        "(an SFT step: one 512-token row; an on-policy step: its rollout and one pass over the rollout's text).",
+        "",
+        "| arm | tau per seed (teacher-forced) | mean tau | decode-path tau | DDTree-16 | T=1 expected | T=1 measured | "
+        "target tokens | train s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, rs in by_arm.items():
+        if not rs:
+            continue
+        per_seed = " / ".join(f"{r['tau']:.3f}" for r in rs)
+        lines.append(
+            f"| {arm} | {per_seed} | {mean([r['tau'] for r in rs]):.3f} | "
+            f"{mean([r['decode_tau'] for r in rs]):.3f} | {mean([r['ddtree16_tau'] for r in rs]):.3f} | "
+            f"{mean([r['t1_expected'] for r in rs]):.3f} | {mean([r['t1_measured'] for r in rs]):.3f} | "
+            f"{mean([r['target_tokens'] for r in rs]):,.0f} | {mean([r['train_seconds'] for r in rs]):.0f} |"
+        )
+    lines += ["", "Per-slot acceptance (teacher-forced, greedy; mean over seeds):", ""]
+    for arm, rs in by_arm.items():
+        if rs:
+            lines.append(
+                f"- {arm}: " + " ".join(f"{mean(col):.2f}" for col in zip(*[r["slot_acceptance"] for r in rs]))
+            )
+    (RESULTS / "on_policy.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=800, help="S: the SFT arm's steps (the demo's default)")
+    ap.add_argument("--on-policy", type=int, default=100, help="k: on-policy steps replacing as many SFT steps")
+    ap.add_argument("--out", default="runs/bench-on-policy")
+    ap.add_argument("--one", type=int, metavar="SEED", help=argparse.SUPPRESS)  # a worker's job
+    args = ap.parse_args()
+    root = Path(args.out)
+    if args.one is not None:
+        print(json.dumps(run_seed(root, args.one, args.steps, args.on_policy)), flush=True)
+        return
+    t0 = time.time()
+    demo_data(root)
+    # one process per seed, one torch thread each, side by side (a run's numbers do not depend on it)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if len(args.seeds) > 1 else dict(os.environ)
+    procs = []
+    for seed in args.seeds:
+        cmd = [sys.executable, __file__, "--out", str(root), "--steps", str(args.steps)]
+        cmd += ["--on-policy", str(args.on_policy), "--one", str(seed)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    runs = []
+    for seed, proc in zip(args.seeds, procs):
+        lines = proc.communicate()[0].strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"seed {seed} failed (exit {proc.returncode})")
+        runs += json.loads(lines[-1])
+        runs.sort(key=lambda r: (ARMS.index(r["arm"]), r["seed"]))
+        write_results(args, root, runs, t0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The on-policy stage (``train.stage=on_policy``, Draft-OPD): the drafter learns from its own rounds.
+
+Per packed row of the stream (row ``g``), in place of the SFT producer:
+
+    prompt   = the row's first document up to its first loss position (the user turn)
+    rollout  = speculative decoding of the prompt by the target with the current drafter, chain
+               verification, greedy (``on_policy.temperature`` 0) or lossless sampling at T (seeded by
+               (train.seed, g)), recording every round: its anchor, drafts, accepted count and the
+               target's final hidden states over the block, from the verification pass itself
+    features = the target's hooked layers over prompt + generated text (the drafter's context rows)
+    batch    = the drafter over one block per round, anchored where the round began: the state decoding
+               put it in, not a sampled position of a target-written text
+    loss     = loss.on_policy_loss: forward KL on the slots the target accepted, reverse KL on the rejected
+
+Slot weights: an accepted slot k gets the SFT decay ``exp(-(k-1)/gamma)``; a rejected slot k of a round
+that accepted ``a`` drafts gets ``exp(-(k-1-a)/gamma)``: 1 at the first rejection, where the round
+ended, decaying after it (slots past it are verified after a wrong draft: their target states are the
+ones only the drafter's mistake leads to). Slot 0 (the anchor) has no loss.
+
+Where this differs from the paper: only chain rollouts are trained on (the DDTree's rejected siblings
+are not yet used); the rollouts run in the training process (one process, no target ranks); the
+teacher of every slot is the verification pass's, so no separate replay pass is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import RunConfig
+from ..data.packing import PackedRow, document_spans
+from ..inference.sampling import GreedyVerification, SampledVerification
+from ..inference.speculative import SpeculativeDecoder
+from ..loss import on_policy_loss
+from ..model.drafter import DFlashDrafter
+from ..model.target import RowFeatures, TargetModel
+from .step import drafter_step, phase, row_generator
+
+
+@dataclass
+class Rollout:
+    """One prompt decoded by the target with the drafter (n recorded rounds, block size B, L tokens)."""
+
+    input_ids: torch.Tensor  # [L] prompt + generated tokens + B padding tokens (every block fits)
+    position_ids: torch.Tensor  # [L]
+    loss_mask: torch.Tensor  # [L] 1 on the generated tokens
+    anchors: torch.Tensor  # [n] anchor position of each round
+    teacher: torch.Tensor  # [n*B, H] target final hidden predicting slot k (row k = 0: zeros, no loss)
+    accepted: torch.Tensor  # [n*B] bool: slot k <= the round's accepted count
+    weights: torch.Tensor  # [n*B] slot weights (module docstring), 0 at slot 0
+    accepted_counts: list[int]  # [n]
+    drafts: list[list[int]]  # [n][B-1] each round's proposed chain
+    target_tokens: int  # tokens the target ran for this rollout (prompt, verifications, replays)
+
+    @property
+    def tau(self) -> float:
+        return sum(a + 1 for a in self.accepted_counts) / max(1, len(self.accepted_counts))
+
+
+def row_prompt(row: PackedRow) -> list[int] | None:
+    """The prompt of a packed row: its first document up to the first position with loss (None when
+    that document has no loss position, or no token before it)."""
+    start, end = document_spans(row.position_ids)[0]
+    loss = row.loss_mask[start:end].nonzero()
+    if loss.numel() == 0 or int(loss[0]) == 0:
+        return None
+    return row.input_ids[start : start + int(loss[0])].tolist()
+
+
+def slot_weights(accepted: int, block: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(accepted [B] bool, weights [B])`` of one round that accepted ``accepted`` drafts."""
+    k = torch.arange(block, dtype=torch.float64)
+    is_accepted = (k >= 1) & (k <= accepted)
+    decay_from = torch.where(is_accepted, k - 1, k - 1 - accepted)
+    weights = torch.exp(-decay_from / gamma)
+    weights[0] = 0.0
+    return is_accepted, weights.float()
+
+
+@torch.no_grad()
+def collect_rollout(
+    target: TargetModel, drafter: DFlashDrafter, prompt: list[int], eos: list[int], cfg: RunConfig, row_index: int
+) -> Rollout | None:
+    """Decode ``prompt`` (``on_policy.max_new_tokens``) with the drafter in eval mode (restored after);
+    None when no round was verified. The sampling seed is a function of ``(train.seed, row_index)``."""
+    op, block = cfg.on_policy, drafter.spec.block_size
+    if op.temperature > 0:
+        seed = int(torch.randint(0, 2**62, (1,), generator=row_generator(cfg.train.seed, row_index)))
+        policy = SampledVerification(op.temperature, op.top_p, seed)
+    else:
+        policy = GreedyVerification()
+    was_training = drafter.training
+    decoder = SpeculativeDecoder(target, drafter, eos)
+    try:
+        result = decoder.generate(prompt, op.max_new_tokens, "chain", policy=policy, record=True)
+    finally:
+        drafter.train(was_training)
+    text = prompt + result.tokens
+    rounds = [r for r in result.rounds if r.anchor_pos < len(text)]  # the last round may be cut at eos
+    if not rounds:
+        return None
+    hidden = rounds[0].teacher.shape[-1]
+    teacher = torch.zeros(len(rounds), block, hidden, dtype=rounds[0].teacher.dtype)
+    accepted, weights = [], []
+    for i, r in enumerate(rounds):
+        teacher[i, 1 : 1 + len(r.drafts)] = r.teacher.cpu()  # slot k's teacher: state after drafts < k
+        acc, w = slot_weights(r.accepted, block, cfg.loss.gamma)
+        w[1 + len(r.drafts) :] = 0.0  # a shorter chain than the block: no teacher there
+        accepted.append(acc)
+        weights.append(w)
+    ids = torch.tensor(text + [eos[0]] * block)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[len(prompt) : len(text)] = 1
+    return Rollout(
+        input_ids=ids,
+        position_ids=torch.arange(ids.numel()),
+        loss_mask=loss_mask,
+        anchors=torch.tensor([r.anchor_pos for r in rounds]),
+        teacher=teacher.reshape(-1, hidden),
+        accepted=torch.cat(accepted),
+        weights=torch.cat(weights),
+        accepted_counts=[r.accepted for r in rounds],
+        drafts=[r.drafts for r in rounds],
+        target_tokens=decoder.target_tokens,
+    )
+
+
+def on_policy_row(
+    target: TargetModel, drafter: DFlashDrafter, rollout: Rollout, cfg: RunConfig, forward=None
+) -> tuple[torch.Tensor, dict]:
+    """``(loss, metrics)`` of one rollout: its rounds' blocks (at most ``data.max_anchors``, the first
+    ones) through the drafter, and the on-policy loss. Metrics: ``forward_kl``, ``reverse_kl``,
+    ``agreement``, ``rollout_tau`` (of all its rounds) and ``accepted_share`` (of the slots with loss)."""
+    nb, block = cfg.data.max_anchors, drafter.spec.block_size
+    n = min(rollout.anchors.numel(), nb)
+    dev = target.device
+    ids, pos = rollout.input_ids.to(dev), rollout.position_ids.to(dev)
+    with phase("target forward"):
+        context = target.features(ids, pos, need_teacher=False).context
+    feats = RowFeatures(
+        input_ids=ids,
+        position_ids=pos,
+        loss_mask=rollout.loss_mask.to(dev),
+        anchors=rollout.anchors[:n].to(dev),
+        context=context,
+        teacher=rollout.teacher[: n * block].to(dev),
+    )
+    batch = drafter_step(drafter, feats, cfg, train=True, forward=forward)
+    accepted = torch.zeros(nb * block, dtype=torch.bool, device=batch.hidden.device)
+    weights = torch.zeros(nb * block, device=batch.hidden.device)
+    accepted[: n * block] = rollout.accepted[: n * block].to(accepted.device)
+    weights[: n * block] = rollout.weights[: n * block].to(weights.device)
+    head = drafter.lm_head_weight.detach()
+    if cfg.train.dtype == "bfloat16":
+        head = head.to(torch.bfloat16)
+    with phase("loss"):
+        loss, m = on_policy_loss(
+            batch.hidden.to(head.dtype),
+            batch.teacher.to(head.dtype),
+            head,
+            accepted,
+            weights,
+            temperature=cfg.on_policy.kl_temperature,
+            chunk_size=cfg.loss.chunk_size,
+            logit_options=drafter.spec.logit_options,
+        )
+    rows = m["accepted_rows"] + m["rejected_rows"]
+    metrics = {
+        "forward_kl": m["forward_kl"],
+        "reverse_kl": m["reverse_kl"],
+        "agreement": m["agreement"],
+        "rollout_tau": torch.tensor(rollout.tau),
+        "accepted_share": m["accepted_rows"] / rows.clamp(min=1),
+    }
+    return loss, metrics
