@@ -31,10 +31,25 @@ import sys
 import time
 from pathlib import Path
 
-from demo_bench import demo_data, results_header, train_on_demo_data
+from demo_bench import demo_data, kept_runs, results_header, train_on_demo_data
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("sft", "op-T0", "op-T1")
+# arm -> the settings of its k steps from the S - k SFT checkpoint ("sft" trains S steps from scratch).
+# "sft-restart" is the control: k more SFT steps from the same checkpoint, so the on-policy arms' restart
+# of the schedule (warmup to the peak rate again, then decay) is not mistaken for the stage's effect.
+ON_POLICY = ["train.stage=on_policy"]
+ARMS = {
+    "sft": None,
+    "sft-start": None,  # the S - k step checkpoint every continuation starts from, scored as it is
+    "sft-restart": ["train.stage=sft"],
+    "op-text-T0": [*ON_POLICY, "on_policy.teacher=text", "on_policy.temperature=0.0"],
+    "op-text-T1": [*ON_POLICY, "on_policy.teacher=text", "on_policy.temperature=1.0"],
+    "op-verified-T0": [*ON_POLICY, "on_policy.teacher=verified", "on_policy.temperature=0.0"],
+    "op-verified-T1": [*ON_POLICY, "on_policy.teacher=verified", "on_policy.temperature=1.0"],
+    # the continuation at a tenth of the preset's learning rate (a fine-tune's)
+    "sft-restart-lr1e-4": ["train.stage=sft", "train.lr=1e-4"],
+    "op-text-T0-lr1e-4": [*ON_POLICY, "on_policy.teacher=text", "on_policy.temperature=0.0", "train.lr=1e-4"],
+}
 
 
 def score(target, drafter, rows, eos) -> dict:
@@ -54,8 +69,27 @@ def score(target, drafter, rows, eos) -> dict:
     }
 
 
-def run_seed(root: Path, seed: int, steps: int, k: int) -> list[dict]:
-    """The three arms of one seed, in this process; their result rows."""
+def trained(root: Path, out: Path, settings: list[str], steps: int):
+    """``train_on_demo_data``'s ``(cfg, target, trainer or None, rows, seconds, drafter)``: a run already
+    trained into ``out`` by an earlier invocation (its last checkpoint complete) is loaded, not retrained."""
+    ckpt = out / "checkpoints" / f"step-{steps:07d}"
+    if not (ckpt / "trainer_state.pt").is_file():
+        cfg, target, trainer, rows, seconds = train_on_demo_data(root, out, settings)
+        return cfg, target, trainer.tokenizer, rows, seconds, trainer.drafter
+    from dflash_trainer.config import load_config
+    from dflash_trainer.drafter_folder import load_drafter
+    from dflash_trainer.training.setup import prepare
+
+    data = [f"data.train_files=[{root / 'data' / 'train.jsonl'}]", f"data.eval_files=[{root / 'data' / 'eval.jsonl'}]"]
+    cfg = load_config(["tiny-demo"], [*data, f"output_dir={out}", *settings])
+    target, tok, _, eval_rows, _ = prepare(cfg)
+    drafter, _ = load_drafter(ckpt, target)
+    seconds = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["elapsed_s"]  # its training loop
+    return cfg, target, tok, eval_rows[: cfg.data.max_eval_rows], seconds, drafter.eval()
+
+
+def run_seed(root: Path, seed: int, steps: int, k: int, arms: list[str]) -> list[dict]:
+    """The arms of one seed, in this process; their result rows."""
     import torch
 
     from dflash_trainer.inference.regenerate import eos_ids
@@ -63,26 +97,37 @@ def run_seed(root: Path, seed: int, steps: int, k: int) -> list[dict]:
     base = [f"train.seed={seed}", "train.dtype=float32"]
     out = []
     t0 = time.time()
-    cfg, target, trainer, rows, seconds = train_on_demo_data(
-        root, root / f"sft-s{seed}", [*base, f"train.max_steps={steps}"]
-    )
-    eos = eos_ids(target.model, trainer.tokenizer)
-    seq = cfg.data.seq_len
-    out.append({"arm": "sft", "seed": seed, "train_seconds": round(seconds, 1), "target_tokens": steps * seq,
-                **score(target, trainer.drafter, rows, eos)})  # fmt: skip
+    if "sft" in arms:
+        cfg, target, tok, rows, seconds, drafter = trained(
+            root, root / f"sft-s{seed}", [*base, f"train.max_steps={steps}"], steps
+        )
+        eos = eos_ids(target.model, tok)
+        out.append({"arm": "sft", "seed": seed, "train_seconds": round(seconds, 1),
+                    "target_tokens": steps * cfg.data.seq_len, **score(target, drafter, rows, eos)})  # fmt: skip
     sft_k = root / f"sft{steps - k}-s{seed}"
-    cfg, target, trainer, rows, seconds_sft = train_on_demo_data(root, sft_k, [*base, f"train.max_steps={steps - k}"])
+    cfg, target, tok, rows, seconds_sft, drafter = trained(
+        root, sft_k, [*base, f"train.max_steps={steps - k}"], steps - k
+    )
+    if "sft-start" in arms:
+        out.append({"arm": "sft-start", "seed": seed, "train_seconds": round(seconds_sft, 1),
+                    "target_tokens": (steps - k) * cfg.data.seq_len,
+                    **score(target, drafter, rows, eos_ids(target.model, tok))})  # fmt: skip
     ckpt = sft_k / "checkpoints" / f"step-{steps - k:07d}"
-    for arm, temperature in (("op-T0", 0.0), ("op-T1", 1.0)):
-        settings = [*base, "train.stage=on_policy", f"train.max_steps={k}", f"drafter.init_from={ckpt}"]
-        settings += [f"on_policy.temperature={temperature}", f"train.save_every={k}", f"train.eval_every={k}"]
+    for arm in arms:
+        if ARMS[arm] is None:
+            continue
+        settings = [*base, *ARMS[arm], f"train.max_steps={k}", f"drafter.init_from={ckpt}"]
+        settings += [f"train.save_every={k}", f"train.eval_every={k}"]
         _, target, trainer, rows, seconds = train_on_demo_data(root, root / f"{arm}-s{seed}", settings)
-        # the rollouts' target tokens, and the feature pass over each rollout's text (trainer counters)
-        rollout_tokens = trainer.c.rollout_target_tokens
-        feature_tokens = trainer.c.rollout_feature_tokens
+        # the target's tokens for the rollouts and for the pass over each rollout's text (trainer counters;
+        # an SFT step's target pass is one row)
+        rollout_tokens, feature_tokens = trainer.c.rollout_target_tokens, trainer.c.rollout_feature_tokens
+        if arm.startswith("sft-restart"):
+            feature_tokens = k * cfg.data.seq_len
+        eos = eos_ids(target.model, trainer.tokenizer)
         out.append({
             "arm": arm, "seed": seed, "train_seconds": round(seconds_sft + seconds, 1),
-            "target_tokens": (steps - k) * seq + rollout_tokens + feature_tokens,
+            "target_tokens": (steps - k) * cfg.data.seq_len + rollout_tokens + feature_tokens,
             "rollout_target_tokens": rollout_tokens, "feature_tokens": feature_tokens,
             **score(target, trainer.drafter, rows, eos),
         })  # fmt: skip
@@ -99,6 +144,7 @@ def mean(xs):
 def write_results(args, root: Path, runs: list, t0: float) -> None:
     cmd = "PYTHONPATH=src .venv/bin/python benchmarks/bench_on_policy.py --seeds " + " ".join(map(str, args.seeds))
     cmd += f" --steps {args.steps} --on-policy {args.on_policy}"
+    cmd += f" --arms {' '.join(args.arms)}" if args.arms != list(ARMS) else ""
     info = {**results_header(root, cmd, t0), "steps": args.steps, "on_policy_steps": args.on_policy, "runs": runs}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "on_policy.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -108,10 +154,15 @@ def write_results(args, root: Path, runs: list, t0: float) -> None:
         "",
         f"`{cmd}` ({info['date']}, {info['total_seconds']} s).",
         f"Same regenerated data ({info['records']['train']} training / {info['records']['eval']} held-out records), "
-        f"the tiny-demo preset in fp32 with its default recipe. `sft`: {args.steps} SFT steps. `op-T0` / `op-T1`: "
-        f"{args.steps - args.on_policy} SFT steps, then {args.on_policy} on-policy steps from that checkpoint with "
-        "greedy / T = 1 rollouts (64 new tokens each). Target tokens: the compute the arms spent on the target "
-        "(an SFT step: one 512-token row; an on-policy step: its rollout and one pass over the rollout's text).",
+        f"the tiny-demo preset in fp32 with its default recipe. `sft`: {args.steps} SFT steps. `sft-start`: "
+        f"{args.steps - args.on_policy} SFT steps (where the arms below start). `sft-restart`: "
+        f"{args.steps - args.on_policy} SFT steps, then {args.on_policy} more SFT steps from that checkpoint (a new "
+        "warmup and decay: the on-policy arms' schedule). `op-TEACHER-T`: the same checkpoint, then "
+        f"{args.on_policy} on-policy steps "
+        "(`train --stage on-policy`, 64 new tokens per rollout) with greedy (T0) or T = 1 (T1) rollouts and "
+        "`on_policy.teacher` text (the target's states along the decoded text) or verified (the verification "
+        "pass's, after the drafts). Target tokens: the compute the arms spent on the target (an SFT step: one "
+        "512-token row; an on-policy step: its rollout and one pass over the rollout's text).",
         "",
         "| arm | tau per seed (teacher-forced) | mean tau | decode-path tau | DDTree-16 | T=1 expected | T=1 measured | "
         "target tokens | train s |",
@@ -127,6 +178,9 @@ def write_results(args, root: Path, runs: list, t0: float) -> None:
             f"{mean([r['t1_expected'] for r in rs]):.3f} | {mean([r['t1_measured'] for r in rs]):.3f} | "
             f"{mean([r['target_tokens'] for r in rs]):,.0f} | {mean([r['train_seconds'] for r in rs]):.0f} |"
         )
+    kept = sorted({(r["date"], r["command"]) for r in runs if "command" in r})
+    if kept:
+        lines += ["", "Kept from earlier invocations: " + "; ".join(f"`{c}` ({d})" for d, c in kept) + "."]
     lines += ["", "Per-slot acceptance (teacher-forced, greedy; mean over seeds):", ""]
     for arm, rs in by_arm.items():
         if rs:
@@ -141,12 +195,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=800, help="S: the SFT arm's steps (the demo's default)")
     ap.add_argument("--on-policy", type=int, default=100, help="k: on-policy steps replacing as many SFT steps")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--out", default="runs/bench-on-policy")
     ap.add_argument("--one", type=int, metavar="SEED", help=argparse.SUPPRESS)  # a worker's job
     args = ap.parse_args()
     root = Path(args.out)
     if args.one is not None:
-        print(json.dumps(run_seed(root, args.one, args.steps, args.on_policy)), flush=True)
+        print(json.dumps(run_seed(root, args.one, args.steps, args.on_policy, args.arms)), flush=True)
         return
     t0 = time.time()
     demo_data(root)
@@ -155,15 +210,15 @@ def main() -> None:
     procs = []
     for seed in args.seeds:
         cmd = [sys.executable, __file__, "--out", str(root), "--steps", str(args.steps)]
-        cmd += ["--on-policy", str(args.on_policy), "--one", str(seed)]
+        cmd += ["--on-policy", str(args.on_policy), "--arms", *args.arms, "--one", str(seed)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    runs = []
+    runs = kept_runs(RESULTS / "on_policy.json", "arm", args.arms, list(ARMS))
     for seed, proc in zip(args.seeds, procs):
         lines = proc.communicate()[0].strip().splitlines()
         if proc.returncode != 0 or not lines:
             raise SystemExit(f"seed {seed} failed (exit {proc.returncode})")
         runs += json.loads(lines[-1])
-        runs.sort(key=lambda r: (ARMS.index(r["arm"]), r["seed"]))
+        runs.sort(key=lambda r: (list(ARMS).index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"]))
         write_results(args, root, runs, t0)
 
 

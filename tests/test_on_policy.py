@@ -21,7 +21,7 @@ from trained import EOS, train_on_greedy
 
 from dflash_trainer.config import load_config
 from dflash_trainer.inference.speculative import SpeculativeDecoder
-from dflash_trainer.training.on_policy import collect_rollout, slot_weights
+from dflash_trainer.training.on_policy import collect_rollout, rollout_features, slot_weights
 
 NEW_TOKENS = 48
 
@@ -66,6 +66,38 @@ def test_a_rollout_is_lossless_and_records_the_targets_states(trained):
             assert torch.equal(rollout.weights.view(n, block)[r], w)
             rejected_somewhere |= accepted < block - 1
     assert rejected_somewhere  # the check saw rejected slots, whose states only the drafts lead to
+
+
+def test_the_text_and_the_verified_teachers_agree_up_to_the_first_rejected_slot(trained):
+    """``on_policy.teacher``: the target's states along the decoded text and the verification pass's
+    states after the drafts are the same states up to the first rejected slot (the drafts before it are
+    the text), and differ after it (a wrong draft before them); a slot past the text has no weight."""
+    target, drafter = trained["target"], trained["drafter"]
+    cfgs = {
+        name: load_config(["tiny-demo"], ["train.stage=on_policy", f"on_policy.teacher={name}"])
+        for name in ("text", "verified")
+    }
+    block, hidden = drafter.spec.block_size, target.lm_head_weight.shape[1]
+    bound = tolerances.float32_forward_error(layers=8, inner=4 * hidden)
+    differ = 0
+    for prompt in trained["prompts"][:2]:
+        rollout = collect_rollout(target, drafter, prompt, EOS, cfgs["text"], row_index=0)
+        n = rollout.anchors.numel()
+        (text, w_text), (verified, w_verified) = (rollout_features(target, rollout, c, n) for c in cfgs.values())
+        assert torch.equal(text.context, verified.context) and torch.equal(w_verified, rollout.weights)
+        t, v = text.teacher.view(n, block, hidden), verified.teacher.view(n, block, hidden)
+        end = int(rollout.loss_mask.nonzero().max()) + 1  # prompt + generated tokens
+        for r, (anchor, accepted) in enumerate(zip(rollout.anchors.tolist(), rollout.accepted_counts)):
+            for k in range(1, block):
+                if anchor + k >= end:  # past the decoded text: no continuation to learn
+                    assert w_text[r * block + k] == 0.0
+                    continue
+                gap = (t[r, k] - v[r, k]).abs().max().item()
+                if k <= accepted + 1:
+                    assert gap <= bound * v[r, k].abs().max().item()
+                else:
+                    differ += gap > 100 * bound * v[r, k].abs().max().item()
+    assert differ > 0  # slots after a wrong draft: the two teachers are different states
 
 
 def test_slot_weights_decay_from_the_first_rejected_slot():

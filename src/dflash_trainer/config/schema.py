@@ -373,6 +373,11 @@ class OnPolicyConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="the rollouts' nucleus at temperature > 0")
     max_new_tokens: int = Field(64, ge=1, description="tokens each rollout generates after its prompt")
     kl_temperature: float = Field(1.0, gt=0.0, description="temperature of the forward KL on accepted slots")
+    teacher: Literal["text", "verified"] = Field(
+        "text",
+        description="each slot's teacher: text = the target's state along the decoded text (what acceptance "
+        "is judged on); verified = the verification pass's, after the drafts before the slot, accepted or not",
+    )
 
 
 class TopologyConfig(Section):

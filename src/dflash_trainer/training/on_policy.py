@@ -7,19 +7,26 @@ Per packed row of the stream (row ``g``), in place of the SFT producer:
                verification, greedy (``on_policy.temperature`` 0) or lossless sampling at T (seeded by
                (train.seed, g)), recording every round: its anchor, drafts, accepted count and the
                target's final hidden states over the block, from the verification pass itself
-    features = the target's hooked layers over prompt + generated text (the drafter's context rows)
+    features = one target pass over prompt + generated text: the drafter's context rows, and the
+               teacher rows along the text
     batch    = the drafter over one block per round, anchored where the round began: the state decoding
                put it in, not a sampled position of a target-written text
     loss     = loss.on_policy_loss: forward KL on the slots the target accepted, reverse KL on the rejected
 
+The teacher of slot k (``on_policy.teacher``): "text" (the default) is the target's state at anchor +
+k - 1 along the decoded text, the continuation acceptance is judged on (slot k counts only when slots
+1..k-1 were accepted, that is when the drafts before it were the text's tokens); "verified" is the
+verification pass's state after the anchor and drafts 1..k-1 as proposed, which past the first rejected
+slot conditions on a wrong draft (the paper's replayed states: its drafter is autoregressive, so its
+later drafts do depend on the earlier ones; a DFlash block's slots do not). Up to the first rejected
+slot the two are the same states (tested). benchmarks/bench_on_policy.py measures both.
+
 Slot weights: an accepted slot k gets the SFT decay ``exp(-(k-1)/gamma)``; a rejected slot k of a round
 that accepted ``a`` drafts gets ``exp(-(k-1-a)/gamma)``: 1 at the first rejection, where the round
-ended, decaying after it (slots past it are verified after a wrong draft: their target states are the
-ones only the drafter's mistake leads to). Slot 0 (the anchor) has no loss.
+ended, decaying after it. Slot 0 (the anchor) has no loss, nor has a slot past the decoded text.
 
 Where this differs from the paper: only chain rollouts are trained on (the DDTree's rejected siblings
-are not yet used); the rollouts run in the training process (one process, no target ranks); the
-teacher of every slot is the verification pass's, so no separate replay pass is needed.
+are not yet used); the rollouts run in the training process (one process, no target ranks).
 """
 
 from __future__ import annotations
@@ -126,6 +133,27 @@ def collect_rollout(
     )
 
 
+def rollout_features(target: TargetModel, rollout: Rollout, cfg: RunConfig, n: int) -> tuple[RowFeatures, torch.Tensor]:
+    """``(RowFeatures of the first n rounds, their slot weights [n*B])``: one target pass over the
+    rollout's text gives the context rows, and with ``on_policy.teacher`` "text" the teacher rows too:
+    slot k's at ``anchor + k - 1`` along the decoded text (a slot past its end gets weight 0); with
+    "verified" the teacher rows are the verification pass's (``Rollout.teacher``)."""
+    block, dev = cfg.drafter.block_size, target.device
+    ids, pos, mask = rollout.input_ids.to(dev), rollout.position_ids.to(dev), rollout.loss_mask.to(dev)
+    anchors = rollout.anchors[:n].to(dev)
+    text_teacher = cfg.on_policy.teacher == "text"
+    with phase("target forward"):
+        full = target.features(ids, pos, need_teacher=text_teacher)
+    weights = rollout.weights[: n * block].to(dev)
+    if text_teacher:
+        index = (anchors[:, None] + torch.arange(block, device=dev) - 1).clamp(min=0).reshape(-1)
+        teacher = full.last_hidden[index]
+        weights = weights * mask[(index + 1).clamp(max=ids.numel() - 1)]  # padding has no continuation
+    else:
+        teacher = rollout.teacher[: n * block].to(dev)
+    return RowFeatures(ids, pos, mask, anchors, full.context, teacher), weights
+
+
 def on_policy_row(
     target: TargetModel, drafter: DFlashDrafter, rollout: Rollout, cfg: RunConfig, forward=None
 ) -> tuple[torch.Tensor, dict]:
@@ -134,23 +162,12 @@ def on_policy_row(
     ``agreement``, ``rollout_tau`` (of all its rounds) and ``accepted_share`` (of the slots with loss)."""
     nb, block = cfg.data.max_anchors, drafter.spec.block_size
     n = min(rollout.anchors.numel(), nb)
-    dev = target.device
-    ids, pos = rollout.input_ids.to(dev), rollout.position_ids.to(dev)
-    with phase("target forward"):
-        context = target.features(ids, pos, need_teacher=False).context
-    feats = RowFeatures(
-        input_ids=ids,
-        position_ids=pos,
-        loss_mask=rollout.loss_mask.to(dev),
-        anchors=rollout.anchors[:n].to(dev),
-        context=context,
-        teacher=rollout.teacher[: n * block].to(dev),
-    )
+    feats, w = rollout_features(target, rollout, cfg, n)
     batch = drafter_step(drafter, feats, cfg, train=True, forward=forward)
     accepted = torch.zeros(nb * block, dtype=torch.bool, device=batch.hidden.device)
     weights = torch.zeros(nb * block, device=batch.hidden.device)
     accepted[: n * block] = rollout.accepted[: n * block].to(accepted.device)
-    weights[: n * block] = rollout.weights[: n * block].to(weights.device)
+    weights[: n * block] = w.to(weights.device)
     head = drafter.lm_head_weight.detach()
     if cfg.train.dtype == "bfloat16":
         head = head.to(torch.bfloat16)
