@@ -3,22 +3,26 @@
     PYTHONPATH=src .venv/bin/python benchmarks/bench_on_policy.py [--seeds 0 1] [--steps 800] [--on-policy 100]
     # writes benchmarks/results/on_policy.{json,md}
 
-Per seed, three arms from the demo's regenerated data (the tiny-demo preset in fp32, its default recipe):
+Per seed, arms from the demo's regenerated data (the tiny-demo preset in fp32, its default recipe):
 
     sft        S SFT steps
     op-T0      S - k SFT steps, then k on-policy steps (``train --stage on-policy``) from that checkpoint,
                greedy rollouts
     op-T1      the same S - k SFT checkpoint, then k on-policy steps with rollouts sampled at T = 1
+    op-tree    the same, with DDTree rollouts (budget 16) in place of the chain's
+
+(and the controls and variants in ARMS below)
 
 Compute is counted in target tokens (the tiny target's forward passes dominate a step's cost beside the
 drafter's): an SFT step runs the target over its packed row (``data.seq_len`` tokens); an on-policy step
 runs it over the rollout (prompt prefill, one verification pass of B tokens per round, replays) and
 once more over the rollout's text for the drafter's context rows. The table gives both arms' totals.
 
-Scored on the same held-out rows as the demo: teacher-forced chain tau, decode-path tau (equal to real
-greedy decoding round for round), DDTree tau at budget 16, and chain tau at T = 1, expected along the
-rows and measured by real speculative sampling of the held-out prompts (``chain_tau_both_ways``).
-Served numbers through vLLM are not part of this benchmark (docs/on-policy.md).
+Scored on the same held-out rows as the demo (``score``): teacher-forced chain and DDTree-16 tau,
+decode-path tau (equal to real greedy decoding round for round), served tau (real speculative decoding
+of the first 8 held-out prompts, 64 tokens, as ``speculate`` runs it: chain and DDTree-16, greedy and
+sampled at T = 1), and chain tau at T = 1 expected along the rows. Served through vLLM is not part of
+this benchmark (docs/on-policy.md).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo_bench import demo_data, kept_runs, results_header, train_on_demo_data
+from demo_bench import demo_data, kept_and_slot_lines, kept_runs, results_header, train_on_demo_data
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # arm -> the settings of its k steps from the S - k SFT checkpoint ("sft" trains S steps from scratch).
@@ -49,22 +53,57 @@ ARMS = {
     # the continuation at a tenth of the preset's learning rate (a fine-tune's)
     "sft-restart-lr1e-4": ["train.stage=sft", "train.lr=1e-4"],
     "op-text-T0-lr1e-4": [*ON_POLICY, "on_policy.teacher=text", "on_policy.temperature=0.0", "train.lr=1e-4"],
+    # DDTree rollouts (budget 16, the accepted path as signal) against the chain's, same settings otherwise
+    "op-tree-T0-lr1e-4": [
+        *ON_POLICY,
+        "on_policy.rollout=ddtree",
+        "on_policy.budget=16",
+        "on_policy.temperature=0.0",
+        "train.lr=1e-4",
+    ],  # fmt: skip
 }
 
 
+# the table's acceptance columns, in order (``score``'s keys)
+SCORES = (
+    "tau",
+    "ddtree16_tau",
+    "decode_tau",
+    "served_chain_t0",
+    "served_ddtree16_t0",
+    "t1_expected",
+    "t1_measured",
+    "t1_ddtree16_measured",
+)
+
+
 def score(target, drafter, rows, eos) -> dict:
+    """Held-out acceptance every way the issue asks: teacher-forced (chain, DDTree-16), the decode path
+    (real greedy decoding round for round), served (real speculative decoding of the first 8 held-out
+    prompts, 64 tokens, chain and DDTree-16: what ``speculate`` runs) at T = 0 and T = 1, and chain tau
+    at T = 1 expected along the rows."""
     from dflash_trainer.inference.acceptance import acceptance_report
-    from dflash_trainer.inference.sampled_acceptance import chain_tau_both_ways
+    from dflash_trainer.inference.sampled_acceptance import document_prompts, sampled_report
+    from dflash_trainer.inference.speculative import SpeculativeDecoder
 
     rep = acceptance_report(target, drafter, rows, budgets=[16], decode_path=True)
-    t1 = chain_tau_both_ways(target, drafter, rows, eos, temperature=1.0)
+    t1 = sampled_report(target, drafter, rows, eos, temperature=1.0, budgets=[16], max_new_tokens=64)
+    decoder, served = SpeculativeDecoder(target, drafter, eos), {}
+    for mode in ("chain", "ddtree"):
+        accepted = []
+        for prompt in document_prompts(rows, 8):
+            accepted += decoder.generate(prompt, 64, mode, budget=16).accepted
+        served[mode] = sum(a + 1 for a in accepted) / len(accepted)
     return {
         "tau": rep["tau"],
         "decode_tau": rep["decode_tau"],
         "ddtree16_tau": rep["ddtree_tau"][0],
-        "t1_expected": t1["expected"],
-        "t1_measured": t1["measured"],
-        "t1_stderr": t1["measured_stderr"],
+        "served_chain_t0": served["chain"],
+        "served_ddtree16_t0": served["ddtree"],
+        "t1_expected": t1["expected"]["tau"],
+        "t1_measured": t1["measured"]["chain"]["tau"],
+        "t1_stderr": t1["measured"]["chain"]["stderr"],
+        "t1_ddtree16_measured": t1["measured"]["ddtree"][0]["tau"],
         "slot_acceptance": rep["slot_acceptance"],
     }
 
@@ -152,7 +191,7 @@ def write_results(args, root: Path, runs: list, t0: float) -> None:
     lines = [
         "# The on-policy stage against more SFT (tiny target, demo data, equal compute)",
         "",
-        f"`{cmd}` ({info['date']}, {info['total_seconds']} s).",
+        f"`{cmd}` ({info['date']}, {info['machine']}, {info['total_seconds']} s).",
         f"Same regenerated data ({info['records']['train']} training / {info['records']['eval']} held-out records), "
         f"the tiny-demo preset in fp32 with its default recipe. `sft`: {args.steps} SFT steps. `sft-start`: "
         f"{args.steps - args.on_policy} SFT steps (where the arms below start). `sft-restart`: "
@@ -161,32 +200,26 @@ def write_results(args, root: Path, runs: list, t0: float) -> None:
         f"{args.on_policy} on-policy steps "
         "(`train --stage on-policy`, 64 new tokens per rollout) with greedy (T0) or T = 1 (T1) rollouts and "
         "`on_policy.teacher` text (the target's states along the decoded text) or verified (the verification "
-        "pass's, after the drafts). Target tokens: the compute the arms spent on the target (an SFT step: one "
-        "512-token row; an on-policy step: its rollout and one pass over the rollout's text).",
+        "pass's, after the drafts); `op-tree-*`: DDTree rollouts at budget 16 (`on_policy.rollout=ddtree`, "
+        "text teacher, the accepted path's depth as the accepted slots). Target tokens: the compute the arms "
+        "spent on the target (an SFT step: one 512-token row; an on-policy step: its rollout and one pass over "
+        "the rollout's text). Served: real speculative decoding of the first 8 held-out prompts (64 tokens), "
+        "what `speculate` runs; teacher-forced and decode-path columns: all held-out rows.",
         "",
-        "| arm | tau per seed (teacher-forced) | mean tau | decode-path tau | DDTree-16 | T=1 expected | T=1 measured | "
-        "target tokens | train s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | tau per seed (teacher-forced) | mean tau | DDTree-16 | decode-path tau | served chain | "
+        "served DDTree-16 | T=1 expected | T=1 served chain | T=1 served DDTree-16 | target tokens | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, rs in by_arm.items():
         if not rs:
             continue
         per_seed = " / ".join(f"{r['tau']:.3f}" for r in rs)
         lines.append(
-            f"| {arm} | {per_seed} | {mean([r['tau'] for r in rs]):.3f} | "
-            f"{mean([r['decode_tau'] for r in rs]):.3f} | {mean([r['ddtree16_tau'] for r in rs]):.3f} | "
-            f"{mean([r['t1_expected'] for r in rs]):.3f} | {mean([r['t1_measured'] for r in rs]):.3f} | "
-            f"{mean([r['target_tokens'] for r in rs]):,.0f} | {mean([r['train_seconds'] for r in rs]):.0f} |"
+            f"| {arm} | {per_seed} | "
+            + " | ".join(f"{mean([r[k] for r in rs]):.3f}" for k in SCORES)
+            + f" | {mean([r['target_tokens'] for r in rs]):,.0f} | {mean([r['train_seconds'] for r in rs]):.0f} |"
         )
-    kept = sorted({(r["date"], r["command"]) for r in runs if "command" in r})
-    if kept:
-        lines += ["", "Kept from earlier invocations: " + "; ".join(f"`{c}` ({d})" for d, c in kept) + "."]
-    lines += ["", "Per-slot acceptance (teacher-forced, greedy; mean over seeds):", ""]
-    for arm, rs in by_arm.items():
-        if rs:
-            lines.append(
-                f"- {arm}: " + " ".join(f"{mean(col):.2f}" for col in zip(*[r["slot_acceptance"] for r in rs]))
-            )
+    lines += kept_and_slot_lines(runs, by_arm)
     (RESULTS / "on_policy.md").write_text("\n".join(lines) + "\n")
 
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo_bench import demo_data, kept_runs, results_header, train_on_demo_data
+from demo_bench import demo_data, kept_and_slot_lines, kept_runs, results_header, train_on_demo_data
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -130,13 +130,7 @@ def write_results(args, root: Path, runs: list, t0: float) -> None:
             f"{mean([r['decode_tau'] for r in rs]):.3f} | {mean([r['ddtree16_tau'] for r in rs]):.3f} | "
             f"{mean([r['train_seconds'] for r in rs]):.0f} |"
         )
-    kept = sorted({(r["date"], r["command"]) for r in runs if "command" in r})
-    if kept:
-        lines += ["", "Kept from earlier invocations: " + "; ".join(f"`{c}` ({d})" for d, c in kept) + "."]
-    lines += ["", "Per-slot acceptance (teacher-forced, greedy; mean over seeds):", ""]
-    for recipe, rs in by_recipe.items():
-        slots = [mean(col) for col in zip(*[r["slot_acceptance"] for r in rs])]
-        lines.append(f"- {recipe}: " + " ".join(f"{a:.2f}" for a in slots))
+    lines += kept_and_slot_lines(runs, by_recipe)
     (RESULTS / "recipes.md").write_text("\n".join(lines) + "\n")
 
 

@@ -1,4 +1,4 @@
-"""What the benchmarks that train on the demo's data share (bench_recipes.py, bench_variants.py).
+"""What the benchmarks that train on the demo's data share (bench_recipes.py, bench_variants.py, bench_on_policy.py).
 
 The demo's regenerated data made once under ``ROOT/data``; one training of the tiny-demo preset on it
 with extra overrides; the runs of an earlier invocation that this one does not rerun, kept with the
@@ -8,6 +8,7 @@ date and command that measured them; the header facts of a results file.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -54,11 +55,30 @@ def kept_runs(results_json: Path, key: str, rerun: list[str], every: list[str]) 
     ]
 
 
+def kept_and_slot_lines(runs: list[dict], by_key: dict[str, list[dict]]) -> list[str]:
+    """The closing lines of a results table: the earlier invocations whose runs were kept (``kept_runs``)
+    and each key's per-slot acceptance, the mean over its seeds."""
+    lines = []
+    kept = sorted({(r["date"], r["command"]) for r in runs if "command" in r})
+    if kept:
+        lines += ["", "Kept from earlier invocations: " + "; ".join(f"`{c}` ({d})" for d, c in kept) + "."]
+    lines += ["", "Per-slot acceptance (teacher-forced, greedy; mean over seeds):", ""]
+    for key, rs in by_key.items():
+        if rs:
+            slots = [sum(col) / len(col) for col in zip(*[r["slot_acceptance"] for r in rs])]
+            lines.append(f"- {key}: " + " ".join(f"{a:.2f}" for a in slots))
+    return lines
+
+
 def results_header(root: Path, command: str, t0: float) -> dict:
-    """The facts every results file opens with: command, data records, date, seconds so far."""
+    """The facts every results file opens with: command, machine, data records, date, seconds so far."""
+    import torch
+
     data = root / "data"
     return {
         "command": command,
+        # the vector instructions torch's CPU kernels use: what a rerun must match to repeat the numbers
+        "machine": f"{os.cpu_count()} CPU cores, torch CPU capability {torch.backends.cpu.get_cpu_capability()}",
         "records": {split: sum(1 for _ in open(data / f"{split}.jsonl")) for split in ("train", "eval")},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "total_seconds": round(time.time() - t0, 1),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from shared_runs import shared
 from test_train import write_data
+from trained import train_on_greedy
 
 from dflash_trainer.training.checkpoint import verify_checkpoint
 
@@ -196,6 +197,36 @@ def test_two_targets_two_data_parallel_drafters_equal_one_process(single, data, 
     assert_same_losses(losses(single), losses(out), rel=1e-6)
     # the same gradient, not one 1 / ranks the size (AdamW would hide the scale; clipping does not)
     assert_same_losses(losses(single, "grad_norm"), losses(out, "grad_norm"), rel=1e-6)
+
+
+ON_POLICY_LOGGED = ("loss", "forward_kl", "reverse_kl", "rollout_tau", "accepted_share", "rollout_target_tokens")
+
+
+def test_on_policy_with_target_ranks_equals_one_process_and_resumes(tmp_path):
+    """The on-policy stage with target ranks: 2 target ranks decode their rows' prompts with the weights
+    the drafter rank broadcasts before every step and send the rollouts' rows; every logged number of
+    every step equals one process's bit for bit (the same rollouts, the same features, the same loss),
+    and a 1 + 1 launch resumed from the step-2 checkpoint reproduces steps 3 and 4. The drafter is the
+    session's shared SFT drafter (tests/trained.py), whose drafts the target accepts: a target rank
+    drafting with other weights than the drafter rank's would decode other rounds."""
+    trained = train_on_greedy()
+    spec, data = trained["drafter"].spec, trained["root"] / "data.jsonl"
+    stage = [f"drafter.num_layers={spec.num_layers}", f"drafter.block_size={spec.block_size}", "data.seq_len=256"]
+    stage += ["train.stage=on_policy", f"drafter.init_from={trained['ckpt']}", "on_policy.max_new_tokens=24"]
+    stage += ["train.max_steps=4", "train.eval_every=4", "train.lr=1e-4"]
+    one = run(tmp_path / "one", data, 1, *stage)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run(tmp_path / "two", data, 3, *stage, "topology.target_ranks=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    for key in ON_POLICY_LOGGED:
+        assert_same_losses(losses(tmp_path / "one", key), losses(tmp_path / "two", key))
+    taus = losses(tmp_path / "one", "rollout_tau")
+    assert len(taus) == 4 and all(t > 1.5 for t in taus.values()), taus  # drafts were accepted, every step
+    checkpoint = tmp_path / "two" / "checkpoints" / "step-0000002"
+    resumed = run(tmp_path / "resumed", data, 2, *stage, "topology.target_ranks=1", flags=("--resume", str(checkpoint)))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for key in ON_POLICY_LOGGED:
+        assert losses(tmp_path / "resumed", key) == {s: v for s, v in losses(tmp_path / "one", key).items() if s > 2}
 
 
 def test_killed_target_rank_is_named_then_resume_reproduces_losses(single, data, tmp_path):

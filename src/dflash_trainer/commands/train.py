@@ -11,6 +11,7 @@ from ..config import RunConfig, write_resolved_config
 from ..config.cli_args import add_config_args, resolve_config
 from ..errors import UserError
 from ..export.semantics import config_mismatches
+from ..inference.regenerate import eos_ids
 from ..io import atomic_write_json
 from ..model.loading import load_target_config
 from ..model.target import config_embedding_scale
@@ -22,7 +23,7 @@ from ..training.offline import run_layer_ids
 from ..training.optim import resolve_epochs
 from ..training.setup import prepare
 from ..training.trackers import resolve_trackers
-from ..training.trainer import RowStream, Trainer
+from ..training.trainer import RowStream, Trainer, build_drafter
 
 
 def run_training(cfg: RunConfig, *, resume: str | None = None, progress: bool = True, overwrite: bool = False) -> dict:
@@ -88,11 +89,15 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
     import torch.distributed as dist
 
     layout, device, group = distributed.init(cfg)
+    weights_group = distributed.weights_group(cfg, layout)  # on-policy: the drafter's weights to the target ranks
     writer = layout.rank == layout.target_ranks
     role = "target" if layout.is_target else "drafter"
+    on_policy = cfg.train.stage == "on_policy"
     try:
+        # a target rank drops the head, except in the on-policy stage: it verifies, and drafts
+        keep = ("all" if on_policy else "body") if layout.is_target else "head"
         target, tokenizer, train_rows, eval_rows, report = prepare(
-            cfg, keep="body" if layout.is_target else "head", share=distributed.on_rank0(cfg.data.prepare_timeout_s)
+            cfg, keep=keep, share=distributed.on_rank0(cfg.data.prepare_timeout_s)
         )
         target.model.to(device)
         cfg = resolve_epochs(cfg, len(train_rows))  # every rank derives the same max_steps
@@ -106,6 +111,11 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
         )
         stream = RowStream(train_rows, cfg.train.seed)
         if layout.is_target:
+            rollouts = None
+            if on_policy:  # a drafter of the run's shape; its weights come from the drafter rank every step
+                scratch = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_from": None})})
+                drafter = build_drafter(scratch, target, tokenizer)
+                rollouts = (drafter, eos_ids(target.model, tokenizer), weights_group)
             distributed.run_target_rank(
                 cfg,
                 layout,
@@ -116,6 +126,7 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
                 start_step=start["step"],
                 rows_consumed=start["rows_consumed"],
                 device=device,
+                rollouts=rollouts,
             )
             dist.destroy_process_group()
             return {}
@@ -128,6 +139,7 @@ def run_distributed(cfg: RunConfig, *, resume: str | None, progress: bool, overw
             device,
             start_step=start["step"],
             rows_consumed=start["rows_consumed"],
+            weights_group=weights_group,
         )
         return _train_fed(cfg, target, tokenizer, train_rows, eval_rows, feed, group, start, progress=progress)
     except UserError as exc:

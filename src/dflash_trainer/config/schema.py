@@ -373,6 +373,12 @@ class OnPolicyConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="the rollouts' nucleus at temperature > 0")
     max_new_tokens: int = Field(64, ge=1, description="tokens each rollout generates after its prompt")
     kl_temperature: float = Field(1.0, gt=0.0, description="temperature of the forward KL on accepted slots")
+    rollout: Literal["chain", "ddtree"] = Field(
+        "chain",
+        description="the rollouts' verification: chain (the block's greedy drafts) or ddtree (a tree of "
+        "on_policy.budget nodes; a round's accepted slots are the accepted path's)",
+    )
+    budget: int = Field(16, ge=1, description="DDTree nodes per round with on_policy.rollout=ddtree")
     teacher: Literal["text", "verified"] = Field(
         "text",
         description="each slot's teacher: text = the target's state along the decoded text (what acceptance "
@@ -461,10 +467,19 @@ class RunConfig(Section):
             raise ValueError(
                 f"train.stage=on_policy trains DFlash drafters, not drafter.variant={self.drafter.variant}"
             )
-        if self.data.features or self.topology.target_ranks:
+        if self.data.features:
             raise ValueError(
-                "train.stage=on_policy runs its rollouts in the training process: not from a feature cache "
-                "(data.features) nor with target ranks (topology.target_ranks)"
+                "train.stage=on_policy decodes with the target as it trains: not from a feature cache (data.features)"
+            )
+        if self.topology.target_ranks and self.topology.drafter_ranks > 1:
+            raise ValueError(
+                "train.stage=on_policy with target ranks trains on one drafter rank: set topology.drafter_ranks=1 "
+                f"(got {self.topology.drafter_ranks}; data-parallel drafter ranks are not built for this stage)"
+            )
+        if self.on_policy.rollout == "ddtree" and self.on_policy.teacher == "verified":
+            raise ValueError(
+                "on_policy.teacher=verified reads a chain's verification states (past the first rejected slot a "
+                "tree has no single draft to condition on): use on_policy.teacher=text with on_policy.rollout=ddtree"
             )
         return self
 

@@ -54,15 +54,18 @@ class DecodeResult:
 
 @dataclass
 class VerifiedBlock:
-    """One chain round as the target verified it (``generate(..., record=True)``): what the on-policy
-    stage trains on. ``teacher`` row j is the target's final-normed hidden state at position
+    """One round as the target verified it (``generate(..., record=True)``): what the on-policy stage
+    trains on. Chain: ``teacher`` row j is the target's final-normed hidden state at position
     ``anchor_pos + j``, after the anchor and drafts ``1..j`` (accepted or not): the state that predicts
-    slot ``j + 1``, read from the verification pass itself (no extra target pass)."""
+    slot ``j + 1``, read from the verification pass itself (no extra target pass). DDTree: ``drafts``
+    is the block's greedy chain (the tree's first candidate at every depth), ``accepted`` the length
+    of the path the target accepted (its tokens are the text after the anchor, not always a prefix of
+    ``drafts``), and no teacher (a tree node's state past the path follows a token the target rejected)."""
 
     anchor_pos: int
-    drafts: list[int]  # [D] the proposed chain, D = B - 1
-    accepted: int  # drafts the target accepted (a prefix of ``drafts``)
-    teacher: torch.Tensor  # [D, H]
+    drafts: list[int]  # [D] the block's greedy chain, D = B - 1
+    accepted: int  # slots accepted (chain: a prefix of ``drafts``; DDTree: the accepted path's depth)
+    teacher: torch.Tensor | None  # [D, H] (chain), None (DDTree)
 
 
 @dataclass
@@ -89,8 +92,9 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def _forward(self, ids: list[int], positions: torch.Tensor, cache, mask=None, last_only=False):
-        """Target forward of new tokens against ``cache``: logits ``[q, V]`` (or ``[1, V]``) and the
-        hooked layers' hidden states ``[q, k*H]``."""
+        """Target forward of new tokens against ``cache``: logits ``[q, V]`` (or ``[1, V]``), the
+        hooked layers' hidden states ``[q, k*H]`` and the final-normed hidden states ``[q, H]`` (a view
+        of what the forward made: no copy, no compute)."""
         dev = self.model.device
         self.target_tokens += len(ids)
         out = self.model(
@@ -103,8 +107,7 @@ class SpeculativeDecoder:
             **{self._cache_kwarg: cache},
         )
         feats = torch.cat([out.hidden_states[i + 1][0] for i in self.target.layer_ids], dim=-1)
-        self.final_hidden = out.hidden_states[-1][0]  # [q, H] final-normed (a view: no copy, no compute)
-        return out.logits[0], feats
+        return out.logits[0], feats, out.hidden_states[-1][0]
 
     def _extend_context(self, drafter_cache, feats: torch.Tensor, start: int):
         """Append the drafter's keys/values of new context rows ``feats`` ``[n, k*H]`` at positions
@@ -137,7 +140,7 @@ class SpeculativeDecoder:
         if not prompt_ids:
             raise ValueError("empty prompt")
         cache = TargetCache(self.model)
-        logits, context = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache.cache, last_only=True)
+        logits, context, _ = self._forward(prompt_ids, torch.arange(len(prompt_ids)), cache.cache, last_only=True)
         cache.commit(len(prompt_ids))
         return Prefilled(list(prompt_ids), cache, logits[-1:], self._extend_context(None, context, 0))
 
@@ -154,13 +157,11 @@ class SpeculativeDecoder:
     ) -> DecodeResult:
         """Decode ``prompt_ids``; ``policy`` (``inference.sampling``) picks the target's tokens:
         greedy by default, ``SampledVerification(T, top_p, seed)`` for lossless speculative sampling.
-        ``prefilled``: ``prefill(prompt_ids)``, decoded from a copy (it stays reusable). ``record``
-        (chain only): every round's ``VerifiedBlock`` in ``result.rounds``."""
+        ``prefilled``: ``prefill(prompt_ids)``, decoded from a copy (it stays reusable). ``record``:
+        every round's ``VerifiedBlock`` in ``result.rounds``."""
         policy = policy or GreedyVerification()
         if mode not in ("chain", "ddtree"):
             raise ValueError(f"mode must be 'chain' or 'ddtree', got {mode!r}")
-        if record and mode != "chain":
-            raise ValueError("record=True records chain rounds only")
         if budget < 1:
             raise ValueError(f"DDTree budget must be >= 1, got {budget}")
         if prefilled is not None and prefilled.prompt_ids != list(prompt_ids):
@@ -179,15 +180,16 @@ class SpeculativeDecoder:
         while len(result.tokens) < max_new_tokens and anchor not in self.eos:
             log_probs, drafts, tree_of = self._draft(anchor, pos, drafter_cache)
             result.drafted.append(len(drafts))
+            verified = None
             if mode == "chain":
-                accepted, bonus, feats = self._verify_chain(anchor, pos, drafts, cache, policy)
-                if record:
-                    teacher = self.verified_hidden[: len(drafts)].clone()
-                    result.rounds.append(VerifiedBlock(pos, list(drafts), len(accepted), teacher))
+                accepted, bonus, feats, verified = self._verify_chain(anchor, pos, drafts, cache, policy)
             elif cache.recurrent:
                 accepted, bonus, feats = self._verify_tree_paths(anchor, pos, tree_of(budget), cache, policy)
             else:
                 accepted, bonus, feats = self._verify_tree(anchor, pos, tree_of(budget), cache, policy)
+            if record:
+                teacher = None if verified is None else verified[: len(drafts)].clone()
+                result.rounds.append(VerifiedBlock(pos, list(drafts), len(accepted), teacher))
             drafter_cache = self._extend_context(drafter_cache, feats, pos)
             result.accepted.append(len(accepted))
             result.anchors.append(pos)
@@ -203,19 +205,20 @@ class SpeculativeDecoder:
         return result
 
     def _verify_chain(self, anchor: int, pos: int, drafts: list[int], cache: TargetCache, policy=None):
+        """``(accepted drafts, bonus token, context features of anchor + accepted [n+1, k*H], the
+        verification pass's final hidden states [1 + D, H])``."""
         fed = [anchor, *drafts]
         cache.save()
-        logits, feats = self._forward(fed, torch.arange(pos, pos + len(fed)), cache.cache)
-        self.verified_hidden = self.final_hidden  # [B, H] before a replay below overwrites final_hidden
+        logits, feats, verified = self._forward(fed, torch.arange(pos, pos + len(fed)), cache.cache)
         # the target's token after position pos + i: its argmax, or its sample (policy)
         n, bonus = walk_chain(drafts, (policy or GreedyVerification()).rows(logits))
         if cache.keep_prefix(len(fed), n + 1):  # keep the anchor and the accepted drafts
             feats = self._replay(fed[: n + 1], pos, cache)
-        return drafts[:n], bonus, feats[: n + 1]
+        return drafts[:n], bonus, feats[: n + 1], verified
 
     def _replay(self, tokens: list[int], pos: int, cache: TargetCache) -> torch.Tensor:
         """Run the accepted ``tokens`` on a rolled-back recurrent cache: their exact states and features."""
-        _, feats = self._forward(tokens, torch.arange(pos, pos + len(tokens)), cache.cache)
+        _, feats, _ = self._forward(tokens, torch.arange(pos, pos + len(tokens)), cache.cache)
         cache.commit(len(tokens))
         return feats
 
@@ -223,7 +226,7 @@ class SpeculativeDecoder:
         """One forward over the whole tree with an ancestor mask (attention-only targets)."""
         depths = torch.tensor([0, *tree.depths])
         mask = cache.tree_mask(pos, tree, self.model.dtype, self.model.device)
-        logits, feats = self._forward([anchor, *tree.tokens], pos + depths, cache.cache, mask=mask)
+        logits, feats, _ = self._forward([anchor, *tree.tokens], pos + depths, cache.cache, mask=mask)
         # row 0: after the anchor; row 1 + i: after node i, under its ancestors
         path, nxt = walk_tree(tree, (policy or GreedyVerification()).rows(logits))
         cache.keep_tree_path(len(tree), path)

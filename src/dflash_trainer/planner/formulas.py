@@ -68,6 +68,7 @@ class Workload:
     # train.stage=on_policy (training/on_policy.py): the longest rollout, prompt (at most a row) +
     # on_policy.max_new_tokens + a block of padding; 0 = an SFT run
     rollout_tokens: int = 0
+    rollout_tree_budget: int = 0  # on_policy.rollout=ddtree: the tree's nodes per round; 0 = chain rollouts
 
     @property
     def queries(self) -> int:
@@ -143,18 +144,27 @@ def rollout_items(s: TargetShape, w: Workload) -> dict[str, int]:
 
     - the target's KV cache: keys and values of every full-attention layer, ``2 * layers * kv_heads *
       head_dim * R`` in the target dtype (a linear-attention layer's recurrent state does not grow with R);
-    - one verification pass: its logits ``[B, V]`` and every layer's hidden states ``[layers + 1, B, H]``
-      (``output_hidden_states``: the hooked layers' features and the teacher rows), target dtype;
-    - the teacher rows recorded for training, at most one block per generated token ``[R, H]``;
+    - one verification pass over ``Q`` queries (a chain: the block, ``Q = B``; a DDTree: the anchor and
+      its nodes, ``Q = 1 + budget``): its logits ``[Q, V]`` and every layer's hidden states
+      ``[layers + 1, Q, H]`` (``output_hidden_states``: the hooked layers' features and the teacher rows),
+      target dtype; a DDTree's additive ancestor mask ``[Q, R]`` in the target dtype;
+    - the teacher rows a chain records for training, at most one block per generated token ``[R, B, H]``
+      (a DDTree records none);
     - the drafter's context keys and values (``SpeculativeDecoder``), ``2 * drafter_layers * R * kv_dim``
       fp32."""
     r, b, t, d = w.rollout_tokens, w.block_size, w.t, DrafterDims.of(s, w.drafter_intermediate)
-    return {
+    tree = w.rollout_tree_budget
+    q = 1 + tree if tree else b
+    items = {
         "rollout KV cache (target)": 2 * s.num_full_attention * s.num_kv_heads * s.head_dim * r * t,
-        "rollout verification pass": b * s.vocab_size * t + (s.num_layers + 1) * b * s.hidden_size * t,
-        "rollout teacher rows": r * b * s.hidden_size * t,
-        "rollout drafter context (keys, values)": 2 * w.drafter_layers * r * d.kvd * 4,
+        "rollout verification pass": q * s.vocab_size * t + (s.num_layers + 1) * q * s.hidden_size * t,
     }
+    if tree:
+        items["rollout tree mask"] = q * r * t
+    else:
+        items["rollout teacher rows"] = r * b * s.hidden_size * t
+    items["rollout drafter context (keys, values)"] = 2 * w.drafter_layers * r * d.kvd * 4
+    return items
 
 
 # -- parameters -----------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A drafter device goes through these phases every step (``Trainer.train_step``), 
 largest of them:
 
     rollout          (train.stage=on_policy) the target decoding a prompt with the drafter: its KV
-                     cache, one verification pass, the recorded teacher rows (``rollout_items``)
+                     cache, one verification pass (a chain's block or a DDTree), the recorded teacher
+                     rows (``rollout_items``)
     target forward   (only when the target shares the device) weights + body-only forward temporaries
     drafter forward  features, masks, activations saved so far, the layer's temporaries
     loss             saved activations, drafter output, loss inputs, fused-loss workspace
@@ -342,6 +343,7 @@ _DRAFTER_ORDER = [
     "attention mask (packed rows, sdpa)",
     "rollout KV cache (target)",
     "rollout verification pass",
+    "rollout tree mask",
     "rollout teacher rows",
     "rollout drafter context (keys, values)",
     "context features (received)",
@@ -425,19 +427,33 @@ def _untied_head(s: TargetShape) -> int:
 
 
 def target_device_plan(s, w, topo, layer_ids, naive=False) -> DevicePlan:
-    items = target_phases(s, w, layer_ids, naive, topo.threads, body_only=True)
+    """A target rank: the target body's forward and the rows waiting to be sent. In the on-policy stage
+    (``w.rollout_tokens``) it keeps the head (it verifies) and a copy of the drafter's weights (it
+    drafts), and its rollout is a phase of its own, as on a drafter device that holds the target."""
+    on_policy = bool(w.rollout_tokens)
+    items = target_phases(s, w, layer_ids, naive, topo.threads, body_only=not on_policy)
     from .throughput import bytes_per_row
 
     items["rows queued for sending"] = w.prefetch * bytes_per_row(s, w)
+    phases = {"target forward": items}
+    if on_policy:
+        d = F.DrafterDims.of(s, w.drafter_intermediate)
+        head_params = F.variant_head_params(w, d)[0]
+        items["drafter weights (fp32)"] = 4 * (F.drafter_param_count(d, w.drafter_layers, w.num_features) + head_params)
+        static = {k: items[k] for k in ("target weights", "drafter weights (fp32)", "rows queued for sending")}
+        phases = {"rollout": {**static, **F.rollout_items(s, w)}, "target forward": items}
     notes = dict(_NOTES)
     notes["rows queued for sending"] = f"topology.prefetch = {w.prefetch} rows may wait for the drafter rank"
-    kept = target_param_count(s) - _untied_head(s)
+    kept = target_param_count(s) - (0 if on_policy else _untied_head(s))
     notes["target weights"] = f"{kept / 1e9:.2f} B parameters, {w.target_dtype}" + (
-        " (body and embedding: the output head stays on the drafter rank)" if _untied_head(s) else ""
+        " (body and embedding: the output head stays on the drafter rank)" if kept < target_param_count(s) else ""
     )
+    if on_policy:
+        notes["drafter weights (fp32)"] = "the on-policy stage's copy, refreshed from the drafter rank every step"
     notes["captured hidden states"] = f"{len(layer_ids)} hooked layers + their [L, k*H] concatenation"
     notes["target activations (body-only forward)"] = _forward_note(s, w, layer_ids)
-    return _device("target GPU", topo.target_gpus, topo, {"target forward": items}, list(items), notes)
+    order = list(items) + [k for k in phases.get("rollout", {}) if k not in items]
+    return _device("target GPU", topo.target_gpus, topo, phases, order, notes)
 
 
 def usable_for_peak(topo: Topology) -> int:

@@ -57,6 +57,7 @@ def workload_from_config(cfg) -> F.Workload:
         rollout_tokens=(
             cfg.data.seq_len + cfg.on_policy.max_new_tokens + d.block_size if tr.stage == "on_policy" else 0
         ),
+        rollout_tree_budget=cfg.on_policy.budget if cfg.on_policy.rollout == "ddtree" else 0,
     )
 
 

@@ -15,6 +15,13 @@ on T or D (one process is the special case T = 0, D = 1).
 On each (target, drafter) channel the messages follow one fixed order, known to both ends: per
 micro-batch a small int64 header, then the payload (ids/positions/mask/anchors, context, teacher);
 after an evaluation step, target rank 0 also sends the held-out rows' features to drafter rank T.
+
+The on-policy stage (``train.stage=on_policy``, one drafter rank): a target rank holds the whole target
+and a copy of the drafter, decodes its rows' prompts with it (``on_policy.produce_rollout_row``) and
+sends each rollout's training row (kind 2: the features, then the slots' weights and accepted flags,
+the rollout's tau and target tokens; kind 3: a row without a rollout). Before every step the drafter
+rank broadcasts its weights to the target ranks (``broadcast_drafter``), so that step's rollouts draft
+with exactly the weights a single process would: the numbers do not depend on T.
 Both ends move messages on a background thread with blocking sends and receives in exactly that
 order (NCCL matches point-to-point messages by order, not by tag), through queues of at most
 ``topology.prefetch`` rows: the next row's transfer overlaps this row's compute, a fast drafter
@@ -41,9 +48,11 @@ from ..data.blocks import valid_anchor_positions
 from ..data.packing import PackedRow, doc_ids_from_positions
 from ..errors import UserError
 from ..model.target import RowFeatures, TargetFeatures
+from .on_policy import RolloutRow, produce_rollout_row
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEADER = 10  # int64 fields: kind, m, g, n, L, kH, H, has_teacher, dtype code, busy microseconds
+ROW, EVAL_ROW, ROLLOUT_ROW, NO_ROLLOUT = 0, 1, 2, 3  # message kinds
 
 
 class PeerError(UserError):
@@ -170,6 +179,33 @@ def on_rank0(timeout_s: float):
     return share
 
 
+def weights_group(cfg: RunConfig, layout: Layout):
+    """The on-policy stage's group: the target ranks and the (one) drafter rank, which broadcasts its
+    weights to them before every step; None for SFT. Every rank must call it."""
+    from datetime import timedelta
+
+    if cfg.train.stage != "on_policy":
+        return None
+    ranks = list(range(layout.target_ranks + 1))
+    return dist.new_group(ranks, timeout=timedelta(seconds=cfg.topology.timeout_s))
+
+
+def broadcast_drafter(drafter, group, layout: Layout, timeout_s: float) -> None:
+    """The drafter's parameters, one flat buffer, from the drafter rank to the target ranks of ``group``
+    (sent where this is the drafter rank, received and loaded on a target rank)."""
+    params = list(drafter.parameters())
+    flat = torch.nn.utils.parameters_to_vector(params).detach()
+    src = layout.target_ranks
+    try:
+        dist.broadcast(flat, src=src, group=group)
+    except RuntimeError as exc:
+        peer = src if layout.is_target else 0
+        raise _peer_error(exc, peer, layout, "share the drafter's weights", timeout_s) from None
+    if layout.is_target:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(flat, params)
+
+
 # -- who does what --------------------------------------------------------------------------------
 
 
@@ -242,8 +278,25 @@ def pack(kind: int, m: int, g: int, feats: RowFeatures, busy_us: int) -> list[to
     return parts
 
 
+def pack_rollout(m: int, g: int, row: RolloutRow | None, busy_us: int, device: torch.device) -> list[torch.Tensor]:
+    """An on-policy micro-batch on the wire: ``pack``'s parts and ``[weights, accepted, tau, target tokens]``
+    (float64, ``2 n B + 2``), or the header alone for a row without a rollout."""
+    if row is None:
+        return [torch.tensor([NO_ROLLOUT, m, g, 0, 0, 0, 0, 0, 0, busy_us], dtype=torch.int64, device=device)]
+    extras = torch.cat(
+        [
+            row.weights.double(),
+            row.accepted.double(),
+            torch.tensor([row.tau, row.target_tokens], dtype=torch.float64, device=row.weights.device),
+        ]
+    )
+    return [*pack(ROLLOUT_ROW, m, g, row.features, busy_us), extras]
+
+
 def payload_buffers(header: torch.Tensor, block_size: int, device: torch.device) -> list[torch.Tensor]:
-    _, _, _, n, length, kh, h, has_teacher, code, _ = header.tolist()
+    kind, _, _, n, length, kh, h, has_teacher, code, _ = header.tolist()
+    if kind == NO_ROLLOUT:
+        return []
     dtype = DTYPES[code]
     bufs = [
         torch.empty(3 * length + n, dtype=torch.int64, device=device),
@@ -252,13 +305,18 @@ def payload_buffers(header: torch.Tensor, block_size: int, device: torch.device)
     if has_teacher:
         rows = n * block_size if n else length  # an evaluation row carries every final hidden state
         bufs.append(torch.empty(rows, h, dtype=dtype, device=device))
+    if kind == ROLLOUT_ROW:
+        bufs.append(torch.empty(2 * n * block_size + 2, dtype=torch.float64, device=device))
     return bufs
 
 
-def unpack(header: torch.Tensor, bufs: list[torch.Tensor]) -> RowFeatures:
-    n, length = int(header[3]), int(header[4])
+def unpack(header: torch.Tensor, bufs: list[torch.Tensor]) -> RowFeatures | RolloutRow | None:
+    """A row's features (kinds 0, 1), a rollout's training row (2) or None (3: no rollout)."""
+    kind, n, length = int(header[0]), int(header[3]), int(header[4])
+    if kind == NO_ROLLOUT:
+        return None
     ints = bufs[0]
-    return RowFeatures(
+    features = RowFeatures(
         input_ids=ints[:length],
         position_ids=ints[length : 2 * length],
         loss_mask=ints[2 * length : 3 * length],
@@ -266,6 +324,12 @@ def unpack(header: torch.Tensor, bufs: list[torch.Tensor]) -> RowFeatures:
         context=bufs[1],
         teacher=bufs[2] if len(bufs) > 2 else None,
     )
+    if kind != ROLLOUT_ROW:
+        return features
+    extras = bufs[3]
+    slots = (extras.numel() - 2) // 2  # n * B
+    weights, accepted = extras[:slots].float(), extras[slots : 2 * slots].bool()
+    return RolloutRow(features, accepted, weights, float(extras[-2]), int(extras[-1]))
 
 
 def _peer_error(exc: BaseException, peer: int, layout: Layout, what: str, timeout_s: float) -> PeerError:
@@ -415,9 +479,12 @@ def run_target_rank(
     start_step: int,
     rows_consumed: int,
     device: torch.device,
+    rollouts=None,
     log=print,
 ) -> None:
-    """Produce and send this rank's micro-batches from ``start_step`` to ``train.max_steps``."""
+    """Produce and send this rank's micro-batches from ``start_step`` to ``train.max_steps``.
+    ``rollouts``: ``(drafter, eos ids, weights group)`` for the on-policy stage (its rows are rollouts
+    drafted with the weights the drafter rank broadcasts before each step)."""
     from .step import produce_row_features
 
     stop = {"flag": None}
@@ -434,20 +501,27 @@ def run_target_rank(
     try:
         for step in range(start_step, cfg.train.max_steps):
             rows, _ = plan.step()
+            if rollouts is not None:
+                drafter, eos, group = rollouts
+                broadcast_drafter(drafter, group, layout, cfg.topology.timeout_s)
             for i, g in enumerate(rows):
                 m = step * g_accum + i
                 if m % t_ranks != layout.rank:
                     continue
                 t0 = time.monotonic()
-                row = stream[g]
-                feats = produce_row_features(target, _to(row, device), g, cfg)
+                row = _to(stream[g], device)
+                if rollouts is None:
+                    parts = pack(ROW, m, g, produce_row_features(target, row, g, cfg), 0)
+                else:
+                    parts = pack_rollout(m, g, produce_rollout_row(target, drafter, row, eos, cfg, g), 0, device)
                 busy += time.monotonic() - t0
-                sender.send(t_ranks + i // (g_accum // d_ranks), pack(0, m, g, feats, int(busy * 1e6)))
+                parts[0][9] = int(busy * 1e6)
+                sender.send(t_ranks + i // (g_accum // d_ranks), parts)
             if eval_idx and is_eval_step(cfg, step + 1):
                 for i in eval_idx:
                     row = _to(eval_rows[i], device)
                     feats = target.features(row.input_ids, row.position_ids, need_teacher=True)
-                    sender.send(t_ranks, pack(1, i, -1, _eval_message(row, feats), 0))
+                    sender.send(t_ranks, pack(EVAL_ROW, i, -1, _eval_message(row, feats), 0))
         sender.flush()
     except PeerError:
         if stop["flag"] is None:
@@ -492,8 +566,10 @@ class DrafterFeed:
         *,
         start_step: int,
         rows_consumed: int,
+        weights_group=None,
     ):
         self.cfg, self.layout, self.device = cfg, layout, device
+        self.weights_group = weights_group  # the on-policy stage's (``weights_group``)
         self.plan = StepPlan(stream, num_rows, cfg.drafter.block_span, cfg.train.grad_accum, start=rows_consumed)
         self.receiver = Receiver(layout, cfg.drafter.block_span, device, cfg.topology.prefetch, cfg.topology.timeout_s)
         self.eval_count = len(eval_feature_rows(eval_rows, cfg)) if layout.drafter_index == 0 else 0
@@ -519,14 +595,25 @@ class DrafterFeed:
 
     def take(self, g: int) -> RowFeatures:
         """The features of global row ``g``, the next micro-batch this rank trains on."""
-        src, header, feats = self.receiver.take()
-        if int(header[0]) != 0 or int(header[2]) != g:
+        return self._take(g, (ROW,))
+
+    def take_rollout(self, g: int) -> RolloutRow | None:
+        """The on-policy stage's training row of global row ``g`` (None: the row had no rollout)."""
+        return self._take(g, (ROLLOUT_ROW, NO_ROLLOUT))
+
+    def _take(self, g: int, kinds: tuple[int, ...]):
+        src, header, message = self.receiver.take()
+        if int(header[0]) not in kinds or int(header[2]) != g:
             raise PeerError(
                 f"rank {self.layout.rank}: expected row {g} from rank {src}, got message kind {int(header[0])} for "
                 f"row {int(header[2])}: the ranks disagree on the step plan (different data or config?)"
             )
         self.target_busy_us[src] = int(header[9])
-        return feats
+        return message
+
+    def share_drafter(self, drafter) -> None:
+        """Before a step of the on-policy stage: this step's weights to the target ranks, which draft with them."""
+        broadcast_drafter(drafter, self.weights_group, self.layout, self.cfg.topology.timeout_s)
 
     def eval_features(self) -> RemoteFeatures:
         out = []

@@ -3,10 +3,11 @@
 Per packed row of the stream (row ``g``), in place of the SFT producer:
 
     prompt   = the row's first document up to its first loss position (the user turn)
-    rollout  = speculative decoding of the prompt by the target with the current drafter, chain
-               verification, greedy (``on_policy.temperature`` 0) or lossless sampling at T (seeded by
-               (train.seed, g)), recording every round: its anchor, drafts, accepted count and the
-               target's final hidden states over the block, from the verification pass itself
+    rollout  = speculative decoding of the prompt by the target with the current drafter, chain or
+               DDTree verification (``on_policy.rollout``), greedy (``on_policy.temperature`` 0) or
+               lossless sampling at T (seeded by (train.seed, g)), recording every round: its anchor,
+               drafts, accepted count and (chain) the target's final hidden states over the block, from
+               the verification pass itself
     features = one target pass over prompt + generated text: the drafter's context rows, and the
                teacher rows along the text
     batch    = the drafter over one block per round, anchored where the round began: the state decoding
@@ -25,8 +26,19 @@ Slot weights: an accepted slot k gets the SFT decay ``exp(-(k-1)/gamma)``; a rej
 that accepted ``a`` drafts gets ``exp(-(k-1-a)/gamma)``: 1 at the first rejection, where the round
 ended, decaying after it. Slot 0 (the anchor) has no loss, nor has a slot past the decoded text.
 
-Where this differs from the paper: only chain rollouts are trained on (the DDTree's rejected siblings
-are not yet used); the rollouts run in the training process (one process, no target ranks).
+DDTree rollouts (``on_policy.rollout=ddtree``): a round's accepted slots are its accepted path's, and
+the signal is that path, as for a chain: the text teacher at every slot, forward KL up to the path's
+depth, reverse KL past it. The rejected siblings add no row of their own, by choice: a DFlash slot has
+one distribution whatever the drafts before it, so a sibling at depth d is a candidate for the same
+slot d under the same teacher state as the path's node there (its rejection is already in that row's
+KL, which weighs every token the drafter proposes), and a sibling's subtree states follow a token the
+target rejected, the off-text conditioning the verified teacher measured worse with.
+What the tree changes is where rounds start and which slots count as accepted: it accepts a slot whose
+text token was any candidate the drafter ranked into the tree, as DDTree serving does.
+
+Where this differs from the paper: its drafter is autoregressive (replayed states are its teacher; here
+the text's, by default); DDTree rollouts as above; the rollouts run in the training process (one
+process, no target ranks).
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ from ..inference.speculative import SpeculativeDecoder
 from ..loss import on_policy_loss
 from ..model.drafter import DFlashDrafter
 from ..model.target import RowFeatures, TargetModel
-from .step import drafter_step, phase, row_generator
+from .step import drafter_step, loss_head, phase, row_generator
 
 
 @dataclass
@@ -53,11 +65,13 @@ class Rollout:
     position_ids: torch.Tensor  # [L]
     loss_mask: torch.Tensor  # [L] 1 on the generated tokens
     anchors: torch.Tensor  # [n] anchor position of each round
-    teacher: torch.Tensor  # [n*B, H] target final hidden predicting slot k (row k = 0: zeros, no loss)
+    # [n*B, H] the verification pass's final hidden predicting slot k (row k = 0: zeros, no loss); only
+    # with on_policy.teacher "verified" (the text teacher is read from the features pass instead)
+    teacher: torch.Tensor | None
     accepted: torch.Tensor  # [n*B] bool: slot k <= the round's accepted count
     weights: torch.Tensor  # [n*B] slot weights (module docstring), 0 at slot 0
     accepted_counts: list[int]  # [n]
-    drafts: list[list[int]]  # [n][B-1] each round's proposed chain
+    drafts: list[list[int]]  # [n][B-1] each round's proposed (greedy) chain
     target_tokens: int  # tokens the target ran for this rollout (prompt, verifications, replays)
 
     @property
@@ -100,18 +114,22 @@ def collect_rollout(
     was_training = drafter.training
     decoder = SpeculativeDecoder(target, drafter, eos)
     try:
-        result = decoder.generate(prompt, op.max_new_tokens, "chain", policy=policy, record=True)
+        result = decoder.generate(prompt, op.max_new_tokens, op.rollout, budget=op.budget, policy=policy, record=True)
     finally:
         drafter.train(was_training)
     text = prompt + result.tokens
     rounds = [r for r in result.rounds if r.anchor_pos < len(text)]  # the last round may be cut at eos
     if not rounds:
         return None
-    hidden = rounds[0].teacher.shape[-1]
-    teacher = torch.zeros(len(rounds), block, hidden, dtype=rounds[0].teacher.dtype)
+    teacher = None
+    if op.teacher == "verified":
+        hidden = rounds[0].teacher.shape[-1]
+        teacher = torch.zeros(len(rounds), block, hidden, dtype=rounds[0].teacher.dtype)
+        for i, r in enumerate(rounds):
+            teacher[i, 1 : 1 + len(r.drafts)] = r.teacher.cpu()  # slot k's teacher: state after drafts < k
+        teacher = teacher.reshape(-1, hidden)
     accepted, weights = [], []
-    for i, r in enumerate(rounds):
-        teacher[i, 1 : 1 + len(r.drafts)] = r.teacher.cpu()  # slot k's teacher: state after drafts < k
+    for r in rounds:
         acc, w = slot_weights(r.accepted, block, cfg.loss.gamma)
         w[1 + len(r.drafts) :] = 0.0  # a shorter chain than the block: no teacher there
         accepted.append(acc)
@@ -124,7 +142,7 @@ def collect_rollout(
         position_ids=torch.arange(ids.numel()),
         loss_mask=loss_mask,
         anchors=torch.tensor([r.anchor_pos for r in rounds]),
-        teacher=teacher.reshape(-1, hidden),
+        teacher=teacher,
         accepted=torch.cat(accepted),
         weights=torch.cat(weights),
         accepted_counts=[r.accepted for r in rounds],
@@ -154,23 +172,52 @@ def rollout_features(target: TargetModel, rollout: Rollout, cfg: RunConfig, n: i
     return RowFeatures(ids, pos, mask, anchors, full.context, teacher), weights
 
 
-def on_policy_row(
-    target: TargetModel, drafter: DFlashDrafter, rollout: Rollout, cfg: RunConfig, forward=None
-) -> tuple[torch.Tensor, dict]:
-    """``(loss, metrics)`` of one rollout: its rounds' blocks (at most ``data.max_anchors``, the first
-    ones) through the drafter, and the on-policy loss. Metrics: ``forward_kl``, ``reverse_kl``,
-    ``agreement``, ``rollout_tau`` (of all its rounds) and ``accepted_share`` (of the slots with loss)."""
+@dataclass
+class RolloutRow:
+    """What the drafter trains on from one rollout (``rollout_row``): in one process a plain value, with
+    target ranks what a target rank sends to the drafter rank (``distributed.pack_rollout``)."""
+
+    features: RowFeatures  # the first n rounds' blocks, n <= data.max_anchors: context [L, k*H], teacher [n*B, H]
+    accepted: torch.Tensor  # [n*B] bool
+    weights: torch.Tensor  # [n*B] slot weights
+    tau: float  # the rollout's acceptance (all its rounds)
+    target_tokens: int  # tokens the target ran for the rollout
+
+
+def rollout_row(target: TargetModel, rollout: Rollout, cfg: RunConfig) -> RolloutRow:
+    """The target's side of a rollout's training row: its first ``data.max_anchors`` rounds' features."""
+    n = min(rollout.anchors.numel(), cfg.data.max_anchors)
+    feats, weights = rollout_features(target, rollout, cfg, n)
+    accepted = rollout.accepted[: n * cfg.drafter.block_size].to(weights.device)
+    return RolloutRow(feats, accepted, weights, rollout.tau, rollout.target_tokens)
+
+
+def produce_rollout_row(
+    target: TargetModel, drafter: DFlashDrafter, row: PackedRow, eos: list[int], cfg: RunConfig, row_index: int
+) -> RolloutRow | None:
+    """The producer of the on-policy stage, as ``step.produce_row_features`` is SFT's: stream row
+    ``row_index``'s prompt decoded with ``drafter`` and its training row; None when the row has no
+    prompt or decoding verified no round."""
+    prompt = row_prompt(row)
+    if prompt is None:
+        return None
+    with phase("rollout"):
+        rollout = collect_rollout(target, drafter, prompt, eos, cfg, row_index)
+    return None if rollout is None else rollout_row(target, rollout, cfg)
+
+
+def on_policy_row(drafter: DFlashDrafter, row: RolloutRow, cfg: RunConfig, forward=None) -> tuple[torch.Tensor, dict]:
+    """``(loss, metrics)`` of one rollout's row: its rounds' blocks through the drafter, and the on-policy
+    loss. Metrics: ``forward_kl``, ``reverse_kl``, ``agreement``, ``rollout_tau`` (of all its rounds)
+    and ``accepted_share`` (of the slots with loss)."""
     nb, block = cfg.data.max_anchors, drafter.spec.block_size
-    n = min(rollout.anchors.numel(), nb)
-    feats, w = rollout_features(target, rollout, cfg, n)
-    batch = drafter_step(drafter, feats, cfg, train=True, forward=forward)
+    n = row.features.anchors.numel()
+    batch = drafter_step(drafter, row.features, cfg, train=True, forward=forward)
     accepted = torch.zeros(nb * block, dtype=torch.bool, device=batch.hidden.device)
     weights = torch.zeros(nb * block, device=batch.hidden.device)
-    accepted[: n * block] = rollout.accepted[: n * block].to(accepted.device)
-    weights[: n * block] = w.to(weights.device)
-    head = drafter.lm_head_weight.detach()
-    if cfg.train.dtype == "bfloat16":
-        head = head.to(torch.bfloat16)
+    accepted[: n * block] = row.accepted.to(accepted.device)
+    weights[: n * block] = row.weights.to(weights.device)
+    head = loss_head(drafter, cfg)
     with phase("loss"):
         loss, m = on_policy_loss(
             batch.hidden.to(head.dtype),
@@ -187,7 +234,7 @@ def on_policy_row(
         "forward_kl": m["forward_kl"],
         "reverse_kl": m["reverse_kl"],
         "agreement": m["agreement"],
-        "rollout_tau": torch.tensor(rollout.tau),
+        "rollout_tau": torch.tensor(row.tau),
         "accepted_share": m["accepted_rows"] / rows.clamp(min=1),
     }
     return loss, metrics

@@ -143,14 +143,19 @@ def drafter_step(
     )
 
 
+def loss_head(drafter: DFlashDrafter, cfg: RunConfig) -> torch.Tensor:
+    """The head ``[V, H]`` the loss multiplies by: the drafter's (the target's), detached, in bf16 under
+    ``train.dtype=bfloat16`` (like autocast's matmuls; an fp32 head is cast per step)."""
+    head = drafter.lm_head_weight.detach()
+    return head.to(torch.bfloat16) if cfg.train.dtype == "bfloat16" else head
+
+
 def draft_loss(drafter: DFlashDrafter, batch: StepBatch, cfg: RunConfig, *, reference: bool = False):
     """``(loss, metrics)`` of one row's blocks: the fused loss, or the plain reference for benchmarks.
-    The head and its logit transform are the drafter's (the target's, held by the drafter). Under
-    ``train.dtype=bfloat16`` the head GEMMs run in bf16 like autocast's matmuls (an fp32 head is cast
-    per step), while the loss's logits, softmax and gradient stay fp32."""
-    head = drafter.lm_head_weight.detach()
-    if cfg.train.dtype == "bfloat16":
-        head = head.to(torch.bfloat16)
+    The head and its logit transform are the drafter's (the target's, held by the drafter; ``loss_head``):
+    under ``train.dtype=bfloat16`` the head GEMMs run in bf16, while the loss's logits, softmax and
+    gradient stay fp32."""
+    head = loss_head(drafter, cfg)
     hidden = batch.hidden.to(head.dtype)
     teacher = batch.teacher.to(head.dtype) if batch.teacher is not None else None
     terms = loss_terms(cfg, drafter.spec.logit_options)

@@ -53,7 +53,7 @@ from .checkpoint import (
     save_training_checkpoint,
 )
 from .distributed import StepPlan
-from .on_policy import collect_rollout, on_policy_row, row_prompt
+from .on_policy import on_policy_row, produce_rollout_row
 from .optim import Optimizers, muon_matrices, resolve_epochs
 from .step import draft_loss, drafter_step, phase, produce_row_features, row_rng
 from .trackers import STATE_FILE as TRACKER_STATE
@@ -336,12 +336,14 @@ class Trainer:
         extra = variant_of(self.drafter.spec).logged_metrics
         totals = torch.zeros(7 + len(extra), dtype=torch.float64)
         totals[6] = 1.0
+        if on_policy and self.feed is not None:  # the target ranks roll out with this step's weights
+            self.feed.share_drafter(self.drafter)
         for j, g in enumerate(mine):
             if on_policy:  # the drafter's own rollout of the row's prompt (its rounds are the blocks)
-                rollout = self._rollout(g)
-                if rollout is None:
+                row = self._rollout(g)
+                if row is None:
                     continue
-                n_tokens = int(rollout.loss_mask.sum())
+                n_tokens = int(row.features.loss_mask.sum())
             else:
                 feats = (
                     self.feed.take(g)
@@ -353,7 +355,7 @@ class Trainer:
             with sync:
                 if on_policy:
                     with row_rng(cfg.train.seed, g, self.device):
-                        loss, metrics = on_policy_row(self.target, self.drafter, rollout, cfg, forward=self.forward)
+                        loss, metrics = on_policy_row(self.drafter, row, cfg, forward=self.forward)
                 else:
                     with row_rng(cfg.train.seed, g, feats.context.device):
                         batch = drafter_step(self.drafter, feats, cfg, train=True, forward=self.forward)
@@ -404,19 +406,19 @@ class Trainer:
         return {**out, "grad_norm": grad_norm, "lr": self.optimizers.lr, "tokens": tokens}
 
     def _rollout(self, g: int):
-        """Row ``g``'s on-policy rollout (``on_policy.collect_rollout``), or None (counted with the rows
-        without anchors) when the row has no prompt or decoding verified no round."""
-        prompt = row_prompt(self.stream[g])
-        rollout = None
-        if prompt is not None:
-            with phase("rollout"):
-                rollout = collect_rollout(self.target, self.drafter, prompt, self.eos, self.cfg, g)
-        if rollout is None:
+        """Row ``g``'s on-policy training row (``on_policy.produce_rollout_row``, or from a target rank),
+        or None (counted with the rows without anchors) when the row has no prompt or decoding verified
+        no round."""
+        if self.feed is not None:
+            row = self.feed.take_rollout(g)
+        else:
+            row = produce_rollout_row(self.target, self.drafter, self.stream[g], self.eos, self.cfg, g)
+        if row is None:
             self.c.rows_without_anchors += 1
         else:
-            self.c.rollout_target_tokens += rollout.target_tokens
-            self.c.rollout_feature_tokens += rollout.input_ids.numel()  # on_policy_row's target pass
-        return rollout
+            self.c.rollout_target_tokens += row.target_tokens
+            self.c.rollout_feature_tokens += row.features.input_ids.numel()  # the pass over the rollout's text
+        return row
 
     def zero_grad(self) -> None:
         self.optimizers.zero_grad()
