@@ -15,6 +15,12 @@ on T or D (one process is the special case T = 0, D = 1).
 On each (target, drafter) channel the messages follow one fixed order, known to both ends: per
 micro-batch a small int64 header, then the payload (ids/positions/mask/anchors, context, teacher);
 after an evaluation step, target rank 0 also sends the held-out rows' features to drafter rank T.
+Both ends move messages on a background thread with blocking sends and receives in exactly that
+order (NCCL matches point-to-point messages by order, not by tag), through queues of at most
+``topology.prefetch`` rows: the next row's transfer overlaps this row's compute, a fast drafter
+waits only for data, and a slow one never lets buffers grow. Every wait has a deadline
+(``topology.timeout_s``; the process group's own timeout is the same): a dead or hung peer becomes
+one line that names its rank and role.
 
 The on-policy stage (``train.stage=on_policy``, one drafter rank): a target rank holds the whole target
 and a copy of the drafter, decodes its rows' prompts with it (``on_policy.produce_rollout_row``) and
@@ -22,12 +28,6 @@ sends each rollout's training row (kind 2: the features, then the slots' weights
 the rollout's tau and target tokens; kind 3: a row without a rollout). Before every step the drafter
 rank broadcasts its weights to the target ranks (``broadcast_drafter``), so that step's rollouts draft
 with exactly the weights a single process would: the numbers do not depend on T.
-Both ends move messages on a background thread with blocking sends and receives in exactly that
-order (NCCL matches point-to-point messages by order, not by tag), through queues of at most
-``topology.prefetch`` rows: the next row's transfer overlaps this row's compute, a fast drafter
-waits only for data, and a slow one never lets buffers grow. Every wait has a deadline
-(``topology.timeout_s``; the process group's own timeout is the same): a dead or hung peer becomes
-one line that names its rank and role.
 """
 
 from __future__ import annotations
