@@ -3,20 +3,16 @@
     PYTHONPATH=src .venv/bin/python benchmarks/bench_on_policy.py [--seeds 0 1] [--steps 800] [--on-policy 100]
     # writes benchmarks/results/on_policy.{json,md}
 
-Per seed, arms from the demo's regenerated data (the tiny-demo preset in fp32, its default recipe):
-
-    sft        S SFT steps
-    op-T0      S - k SFT steps, then k on-policy steps (``train --stage on-policy``) from that checkpoint,
-               greedy rollouts
-    op-T1      the same S - k SFT checkpoint, then k on-policy steps with rollouts sampled at T = 1
-    op-tree    the same, with DDTree rollouts (budget 16) in place of the chain's
-
-(and the controls and variants in ARMS below)
+Per seed, the arms of ``ARMS`` below, from the demo's regenerated data (the tiny-demo preset in fp32,
+its default recipe): ``sft`` trains S SFT steps; every other arm starts from the same S - k step SFT
+checkpoint (``sft-start`` scores it as it is) and trains k more steps: SFT again (``sft-restart*``, the
+control) or on-policy (``op-*``: ``train --stage on-policy`` with the text or verified teacher, greedy
+(T0) or T = 1 rollouts, chain or DDTree-16 (``op-tree``), at the preset's or a fine-tune's rate).
 
 Compute is counted in target tokens (the tiny target's forward passes dominate a step's cost beside the
 drafter's): an SFT step runs the target over its packed row (``data.seq_len`` tokens); an on-policy step
 runs it over the rollout (prompt prefill, one verification pass of B tokens per round, replays) and
-once more over the rollout's text for the drafter's context rows. The table gives both arms' totals.
+once more over the rollout's text for the drafter's context rows. The table gives every arm's total.
 
 Scored on the same held-out rows as the demo (``score``): teacher-forced chain and DDTree-16 tau,
 decode-path tau (equal to real greedy decoding round for round), served tau (real speculative decoding

@@ -511,11 +511,13 @@ def run_target_rank(
                 t0 = time.monotonic()
                 row = _to(stream[g], device)
                 if rollouts is None:
-                    parts = pack(ROW, m, g, produce_row_features(target, row, g, cfg), 0)
+                    feats = produce_row_features(target, row, g, cfg)
+                    busy += time.monotonic() - t0
+                    parts = pack(ROW, m, g, feats, int(busy * 1e6))
                 else:
-                    parts = pack_rollout(m, g, produce_rollout_row(target, drafter, row, eos, cfg, g), 0, device)
-                busy += time.monotonic() - t0
-                parts[0][9] = int(busy * 1e6)
+                    made = produce_rollout_row(target, drafter, row, eos, cfg, g)
+                    busy += time.monotonic() - t0
+                    parts = pack_rollout(m, g, made, int(busy * 1e6), device)
                 sender.send(t_ranks + i // (g_accum // d_ranks), parts)
             if eval_idx and is_eval_step(cfg, step + 1):
                 for i in eval_idx:

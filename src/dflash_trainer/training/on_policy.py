@@ -37,8 +37,9 @@ What the tree changes is where rounds start and which slots count as accepted: i
 text token was any candidate the drafter ranked into the tree, as DDTree serving does.
 
 Where this differs from the paper: its drafter is autoregressive (replayed states are its teacher; here
-the text's, by default); DDTree rollouts as above; the rollouts run in the training process (one
-process, no target ranks).
+the text's, by default); DDTree rollouts as above. The rollouts run where the target is: in the training
+process, or on target ranks drafting with the weights the drafter rank broadcasts before each step
+(``distributed.run_target_rank``).
 """
 
 from __future__ import annotations
