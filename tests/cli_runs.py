@@ -58,6 +58,19 @@ def in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue() + shown)
 
 
+def one_thread(*args: str) -> subprocess.CompletedProcess:
+    """``in_process`` at one thread, as the processes the tests start run (``OMP_NUM_THREADS=1``): a run
+    compared bit for bit with theirs must sum in the same order. The thread count is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return in_process(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(*args: str, env: dict | None = None, timeout: float = 300, process: bool = True) -> tuple[int, str, str]:
     """``(exit status, stdout, stderr)`` of ``dflash-train ARGS``: ``as_process`` or, with ``process``
     false (a check's further cases), ``in_process``."""

@@ -75,27 +75,33 @@ def _native_kernel_build(request, monkeypatch):
     monkeypatch.setenv(native.ISA_ENV, isa)  # undone by monkeypatch after the test
 
 
-# Longest files first. ``--dist loadfile`` hands each worker whole files in collection order (alphabetical)
-# as it frees up, so a long file collected late (test_speculative.py, test_vllm_serving.py) ran while the
-# other workers had nothing left: the longest-first order keeps every worker busy to the end. The order
-# changes only when a file runs, never what it checks. Ranked by tests/cpu_report.py on 2026-12-06 (2 cores,
-# 3 workers; CPU seconds with their subprocesses'): the twelve files below were 1,075 of the 1,424 CPU
-# seconds the tests themselves cost.
+# Longest files first. ``--dist loadfile`` hands each worker whole files in the order of the work queue as
+# it frees up, so a long file handed out late (test_speculative.py, test_vllm_serving.py) ran while the
+# other workers had nothing left: the longest-first order keeps every worker busy to the end. pytest-xdist
+# (3.8 here) sorts the files by their number of tests unless told not to (``--no-loadscope-reorder``,
+# which ``pytest_configure`` below sets for every run), and this order was lost (measured 2026-12-07:
+# test_dspark_sampling.py, 3 tests and 116 s, was handed out among the last). The order changes only when
+# a file runs, never what it checks. Ranked by the seconds a file's tests took in the suite
+# (tests/cpu_report.py, 2 cores, 3 workers, 2026-12-07).
 LONGEST_FILES = (
     "test_speculative.py",
     "test_vllm_serving.py",
-    "test_offline.py",
-    "test_distributed.py",
     "test_dflash2_trained.py",
     "test_dspark_sampling.py",
-    "test_hardening_surfaces.py",
-    "test_loss_triton.py",
-    "test_foreign_drafters.py",
     "test_eval.py",
-    "test_variant_contract.py",
-    "test_warm_start.py",
-    "test_dspark.py",
+    "test_distributed.py",
+    "test_loss_triton.py",
+    "test_hardening_surfaces.py",
     "test_generate_vllm.py",
+    "test_vllm_capture.py",
+    "test_foreign_drafters.py",
+    "test_warm_start.py",
+    "test_families.py",
+    "test_train.py",
+    "test_loss.py",
+    "test_dspark.py",
+    "test_offline.py",
+    "test_gpu_check.py",
 )
 
 
@@ -106,6 +112,11 @@ from cpu_report import (  # noqa: E402, F401
     pytest_sessionstart,
     pytest_terminal_summary,
 )
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's; see LONGEST_FILES
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runs import in_process, one_thread
 from shared_runs import shared
 from test_train import write_data
 from trained import train_on_greedy
@@ -214,7 +215,8 @@ def test_on_policy_with_target_ranks_equals_one_process_and_resumes(tmp_path):
     stage = [f"drafter.num_layers={spec.num_layers}", f"drafter.block_size={spec.block_size}", "data.seq_len=256"]
     stage += ["train.stage=on_policy", f"drafter.init_from={trained['ckpt']}", "on_policy.max_new_tokens=24"]
     stage += ["train.max_steps=4", "train.eval_every=4", "train.lr=1e-4"]
-    one = run(tmp_path / "one", data, 1, *stage)
+    # the one-process reference in this process at one thread, as the ranks run (tests/cli_runs.py)
+    one = one_thread(*train_args(tmp_path / "one", data, *stage))
     assert one.returncode == 0, one.stderr[-3000:]
     two = run(tmp_path / "two", data, 3, *stage, "topology.target_ranks=2")
     assert two.returncode == 0, two.stderr[-3000:]
@@ -300,7 +302,7 @@ def test_hung_target_rank_is_detected_by_the_timeout(data, tmp_path):
 
 
 def test_launch_that_does_not_match_the_topology_is_one_line(data, tmp_path):
-    result = run(tmp_path / "run", data, 1, "topology.target_ranks=2")
+    result = in_process(*train_args(tmp_path / "run", data, "topology.target_ranks=2"))  # refused before any work
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("dflash-train: error: topology.target_ranks is 2: launch")
     result = run(tmp_path / "run2", data, 2, "topology.target_ranks=2")

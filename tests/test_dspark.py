@@ -199,23 +199,19 @@ def test_planner_prices_the_heads_their_optimizer_state_and_the_loss_workspace(s
 
 
 def test_speculate_cli_with_a_confidence_threshold_reports_target_tokens_saved(small_run, tmp_path):
+    """The command in this process (tests/cli_runs.py; speculate as a process: test_speculative.py)."""
     import json
-    import subprocess
-    import sys
+
+    from cli_runs import in_process
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(small_run["data"].read_text().splitlines()[0] + "\n")
     ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
-    base = [sys.executable, "-m", "dflash_trainer.cli", "speculate", "--drafter", str(ckpt), "--input", str(prompts)]
+    base = ["speculate", "--drafter", str(ckpt), "--input", str(prompts)]
     reports = {}
     for c in ("0", "0.9"):
         out = tmp_path / f"spec-{c}.jsonl"
-        run = subprocess.run(
-            [*base, "--output", str(out), "--max-new-tokens", "24", "--confidence-threshold", c],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        run = in_process(*base, "--output", str(out), "--max-new-tokens", "24", "--confidence-threshold", c)
         assert run.returncode == 0, run.stderr
         reports[c] = json.loads(out.with_name(out.name + ".report.json").read_text())["modes"]["chain"]
         assert reports[c]["mismatches"] == 0

@@ -7,12 +7,14 @@ and compute the block logits the writer's own model code computes (both in float
 ``export --check`` take them; what this project's drafter cannot represent is one line."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from cli_runs import in_process
 from external_runner import run_script
 from external_venvs import specforge_python, speculators_python, zlab_python
 from safetensors.torch import load_file, save_file
@@ -263,7 +265,19 @@ def test_check_of_a_foreign_folder_names_weights_that_do_not_fit(foreign, tmp_pa
     assert len(problems) == 1 and "its weights do not fit its config" in problems[0] and "fc.weight" in problems[0]
 
 
-def cli(*args, cwd):
+def cli(*args, cwd, process=True):
+    """``(exit status, stdout, stderr)`` of ``dflash-train ARGS`` run in ``cwd``: a process, or with
+    ``process`` false ``cli.main`` in this one (tests/cli_runs.py: no interpreter start and import of
+    torch and transformers, 5 CPU-s a run) where the process boundary is checked elsewhere: ``eval`` as a
+    process in test_a_refusal_in_eval_is_one_error_line, ``speculate`` in test_speculative.py."""
+    if not process:
+        here = os.getcwd()
+        os.chdir(cwd)
+        try:
+            done = in_process(*args)
+        finally:
+            os.chdir(here)
+        return done.returncode, done.stdout, done.stderr
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_trainer.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd
     )
@@ -290,6 +304,7 @@ def test_eval_speculate_and_check_take_foreign_folders(foreign, tmp_path):
     code, out, err = cli(
         "eval", str(root / "spec-windows"), str(root / "zlab-published"), "--data", str(data), "--out", str(tmp_path / "r"),
         "--budgets", "4", "--max-blocks-per-row", "4", "--set", f"target.path={tiny_target_path()}", cwd=tmp_path,
+        process=False,
     )  # fmt: skip
     assert code == 0, err
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -298,7 +313,7 @@ def test_eval_speculate_and_check_take_foreign_folders(foreign, tmp_path):
     # the speculators folder names its verifier (the tiny target's folder): no --set needed
     code, out, err = cli(
         "speculate", "--drafter", str(root / "spec-defaults"), "--input", str(data), "--output", str(tmp_path / "o.jsonl"),
-        "--max-new-tokens", "8", "--limit", "2", cwd=tmp_path,
+        "--max-new-tokens", "8", "--limit", "2", cwd=tmp_path, process=False,
     )  # fmt: skip
     assert code == 0, err  # 0: speculative output equal to target-only greedy decoding
     assert "outputs differing from target greedy: 0" in out
@@ -380,7 +395,7 @@ def test_a_drafter_trained_by_speculators_scores_the_same_tau_in_our_eval(tmp_pa
     code, out, err = cli(
         "eval", job["out"], "--data", str(data), "--out", str(tmp_path / "r"), "--budgets", "2",
         "--max-blocks-per-row", "100000", "--set", f"data.seq_len={seq_len}",
-        "--set", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path,
+        "--set", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path, process=False,
     )  # fmt: skip
     assert code == 0, err
     mine = json.loads((tmp_path / "r" / "report.json").read_text())["checkpoints"][0]["report"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import in_process, one_thread
 
 from dflash_trainer.commands.generate import add_generate_parser, run_generate
 from dflash_trainer.data.records import Record, iter_records
@@ -333,7 +334,8 @@ def test_resume_after_kill(tmp_path, tiny, prompts):
     first_run = partial.read_text().splitlines()
     assert 1 <= len(first_run) < n
 
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    # the rerun and the refusal after it in this process (tests/cli_runs.py): the kill is the process boundary
+    done = one_thread(*cmd[3:])
     assert done.returncode == 0, done.stderr[-2000:]
     assert not partial.exists()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -347,5 +349,5 @@ def test_resume_after_kill(tmp_path, tiny, prompts):
     expected = regen(list(iter_records([str(data)])), model, tokenizer, batch_size=3)
     assert sorted(rows, key=lambda r: r["id"]) == expected
 
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    again = in_process(*cmd[3:])
     assert again.returncode == 2 and "already exists" in again.stderr

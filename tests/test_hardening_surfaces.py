@@ -471,6 +471,7 @@ def checkpoint(tmp_path_factory):
         "--set",
         f"output_dir={tmp / 'run'}",
         env={"DFLASH_DATA_CACHE": str(tmp / "cache")},
+        process=False,  # a checkpoint to damage: no process boundary is checked here
     )
     assert code == 0, err
     return tmp / "run" / "checkpoints" / "step-0000001", tmp / "d.jsonl"

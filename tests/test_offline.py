@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import in_process
+from cli_runs import one_thread
 from safetensors.torch import load_file, save_file
 from test_distributed import SMALL as DIST_SMALL
 from test_distributed import _env, assert_same_losses, cli_command, losses, run, single_process_run, train_args
@@ -42,17 +42,6 @@ def capture_args(out: Path, data: Path, *extra: str) -> list[str]:
 
 def capture_cmd(out: Path, data: Path, nproc: int, *extra: str) -> list[str]:
     return cli_command(nproc, capture_args(out, data, *extra))
-
-
-def one_thread(*args: str) -> subprocess.CompletedProcess:
-    """``dflash-train ARGS`` in this process at one thread (the processes' ``OMP_NUM_THREADS=1``: the runs
-    compared bit for bit must sum in the same order), the thread count restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return in_process(*args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def capture(out: Path, data: Path, nproc: int = 1, *extra: str) -> subprocess.CompletedProcess:

@@ -334,7 +334,8 @@ def test_prepare_data_command_then_train_reads_it_and_verify_finds_corruption(tm
     code, stdout, err = cli("prepare-data", *common, "--set", "data.num_workers=2", "--out", str(out))
     assert code == 0, err
     assert "bytes/token" in stdout and f"--set data.prepared={out}" in stdout
-    code, stdout, err = cli("prepare-data", "--verify", str(out))
+    # the rest in this process (tests/cli_runs.py): the process boundary is the first command's
+    code, stdout, err = cli("prepare-data", "--verify", str(out), process=False)
     assert code == 0 and "ok" in stdout, err
     # train from the prepared folder alone: no input files named, no tokenizing
     run = tmp_path / "run"
@@ -352,6 +353,7 @@ def test_prepare_data_command_then_train_reads_it_and_verify_finds_corruption(tm
         "train.eval_every=1",
         "--set",
         f"output_dir={run}",
+        process=False,
     )
     assert code == 0, err
     assert "prepare data" not in stdout and (run / "data_report.json").is_file()

@@ -519,8 +519,8 @@ def test_cli_speculative_sampling(trained, tmp_path):
         return speculate_cli(trained, prompts, out, "--max-new-tokens", "16", *extra, process=process)
 
     out = tmp_path / "s.jsonl"
-    result = speculate(
-        out, "--mode", "ddtree", "--budget", "8", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5"
+    result = speculate(  # in this process: speculate as a process is test_cli_reports_tau_speedup_and_agreement
+        out, "--mode", "ddtree", "--budget", "8", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5", process=False
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "s.jsonl.report.json").read_text())
