@@ -92,7 +92,8 @@ def test_build_is_deterministic_given_seed(tmp_path):
         warmup_steps=1,
         eval_every=2,
         eval_windows=2,
-        files_limit=6,  # the determinism of every stage, not the quality: few files (held-out scoring is most of a build)
+        # determinism of every stage, not quality: few files (held-out scoring was most of a build at 25)
+        files_limit=6,
         threads=1,
     )
     a = build(tmp_path / "a", settings)
