@@ -237,6 +237,23 @@ def test_drafter_shares_target_head_and_embedding(small_target):
     assert drafter.lm_head_weight.data_ptr() == small_target.get_output_embeddings().weight.data_ptr()
 
 
+def test_block_logits_take_the_strided_draft_slots_of_several_blocks(small_target):
+    """Eval hands ``block_logits`` the draft slots of g blocks, a strided ``[g, D, H]`` view, and it runs
+    them as one flattened GEMM: every slot's logits are its own row times the head, in place. Against
+    the product row by row, each within gamma_H of sum |h| |w| (H products summed in float64)."""
+    drafter = make_drafter(small_target)
+    hidden = torch.randn(5, 4, 16, dtype=F64)
+    slots = hidden[:, 1:]  # [5, 3, 16], not contiguous
+    got = drafter.block_logits(slots)
+    w = drafter.lm_head_weight
+    want = torch.stack([torch.stack([w @ slots[i, j] for j in range(3)]) for i in range(5)])
+    bound = tolerances.gamma(16, F64) * torch.stack(
+        [torch.stack([w.abs() @ slots[i, j].abs() for j in range(3)]) for i in range(5)]
+    )
+    assert got.shape == (5, 3, 64) and not slots.is_contiguous()
+    assert ((got - want).abs() <= 2 * bound).all()  # 2: both sides round
+
+
 def test_bad_input_errors(small_target):
     class NoMask:
         mask_token_id = None

@@ -33,5 +33,8 @@ def test_dspark_sampling_is_lossless_in_distribution(
 
 
 def test_dspark_expected_ddtree_acceptance_is_the_mean_of_measured_acceptance(dspark_trained):
-    """Eval's tau(T) of the node-conditioned tree (sampled_acceptance builds the tree decoding builds)."""
-    check_expected_acceptance(dspark_trained, "ddtree", 8, 0.7, 0.9)
+    """Eval's tau(T) of the node-conditioned tree (sampled_acceptance builds the tree decoding builds).
+    3 seeds per prompt: this drafter's control shift measured 9.64 at 4 seeds and 8.31 at 3 (2026-12-07;
+    9.64 sqrt(3 / 4) = 8.35 predicted), well over test_speculative.CONTROL_SHIFT's 6.33, for 16.3 CPU-s
+    instead of 21.7."""
+    check_expected_acceptance(dspark_trained, "ddtree", 8, 0.7, 0.9, seeds=3)

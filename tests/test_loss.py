@@ -165,7 +165,9 @@ def test_a_kernel_that_cannot_be_built_falls_back(monkeypatch, tmp_path):
 
 
 def test_concurrent_builds_share_one_library(tmp_path):
-    """The ranks of one launch may build at once into an empty cache: every process gets a working kernel."""
+    """The ranks of one launch may start at once on an empty cache: one of them compiles (they take turns
+    on a lock, so not every rank spends the compile), every process gets a working kernel, and nothing
+    but the library is left in the cache."""
     code = (
         "import torch\n"
         "from dflash_trainer.loss import native\n"
@@ -182,8 +184,9 @@ def test_concurrent_builds_share_one_library(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
     assert all(out.split()[0] == "1.0" for out, _ in outs)
+    assert sorted(out.split()[1] for out, _ in outs) == ["False", "False", "True"]  # one compiled
     libraries = list(tmp_path.iterdir())
-    assert len(libraries) == 1 and libraries[0].suffix == ".so", libraries  # no temporary files left
+    assert len(libraries) == 1 and libraries[0].suffix == ".so", libraries  # no temporary or lock files left
 
 
 @NATIVE_BUILDS

@@ -429,15 +429,17 @@ CONTROL_POWER = 0.99
 CONTROL_SHIFT = 4 + 2.3263  # 4 + the standard normal's 0.99 quantile
 
 
-def check_expected_acceptance(trained, mode, budget, temperature, top_p):
+def check_expected_acceptance(trained, mode, budget, temperature, top_p, seeds=None):
     """At the very contexts real speculative sampling visited, eval's expected accepted count (exact
     target conditionals along the drafter's chain or tree) is the mean of the accepted count measured:
     mean(measured - expected) over the rounds is within 4 standard errors of 0. Expectations at the
-    wrong temperature (2T) are rejected by the same check, with the power CONTROL_POWER states."""
+    wrong temperature (2T) are rejected by the same check, with the power CONTROL_POWER states.
+    ``seeds``: runs per prompt (default 10 for the chain, 4 for the tree; see CONTROL_SHIFT)."""
     from dflash_trainer.inference.sampled_acceptance import block_expectations_at
 
     target, drafter = trained["target"], trained["drafter"]
-    runs = _visited_rounds(trained, mode, budget, temperature, top_p, range(10 if mode == "chain" else 4))
+    seeds = seeds or (10 if mode == "chain" else 4)
+    runs = _visited_rounds(trained, mode, budget, temperature, top_p, range(seeds))
     diffs = [[], []]  # measured - expected at T, and at 2T (one pass per run gives both)
     for row, anchors, accepted in runs:
         at = block_expectations_at(

@@ -134,8 +134,11 @@ def teacher_forced_blocks(
             attention_backend,
         ).view(g, b, -1)  # [g, B, H]
         teacher_index = blocks.teacher_index[:, 1:].to(dev)  # [g, D]: the row before each draft's token
-        target_logits = feats.last_hidden[teacher_index].to(head.dtype) @ head.T  # [g, D, V]
-        greedy = target_logits.argmax(-1)  # [g, D]
+        # the target's logits once per distinct row the slots read: consecutive anchors (the decode
+        # path scores every one) share D - 1 of them, so up to D times fewer than one per slot
+        rows_read, slot_row = teacher_index.unique(return_inverse=True)  # [u], [g, D]
+        target_logits = feats.last_hidden[rows_read].to(head.dtype) @ head.T  # [u, V], u <= g D
+        greedy = target_logits.argmax(-1)[slot_row]  # [g, D]
         anchor_ids = blocks.input_ids[:, 0].to(dev)
         confidence = variant.draft_confidence(drafter, hidden, anchor_ids)
         if confidence is None:  # nothing else reads the target's logits: free them before the drafter's
@@ -146,7 +149,7 @@ def teacher_forced_blocks(
         acceptance = None
         if confidence is not None:  # what the head is trained to predict: sum_v min(p_v, q_v) at T = 1
             opts = drafter.spec.logit_options
-            p = torch.softmax(transform_logits(target_logits.float(), **opts), dim=-1)
+            p = torch.softmax(transform_logits(target_logits.float(), **opts), dim=-1)[slot_row]  # [g, D, V]
             q = torch.softmax(transform_logits(draft_logits.float(), **opts), dim=-1)
             acceptance = torch.minimum(p, q).sum(-1)
             del p, q, target_logits

@@ -1,8 +1,9 @@
 """The CPU kernel for a chunk's element-wise work: build once per machine, load, call on row ranges.
 
 ``kernels/chunk_epilogue.cpp`` is plain C++ (no torch headers): the system's C++ compiler builds it in
-about a second into a shared library cached on disk, keyed by the source, the compiler and the CPU
-(it is built with ``-march=native`` where the compiler takes it); ``ctypes`` loads it. A chunk's rows
+a few seconds into a shared library cached on disk, keyed by the source, the compiler and the CPU
+(it is built with ``-march=native`` where the compiler takes it; the ranks of one launch build it
+once between them); ``ctypes`` loads it. A chunk's rows
 are split across ``torch.get_num_threads()`` threads: OpenMP's inside the kernel (built with
 ``-fopenmp``, it binds to the ``libgomp`` torch has loaded, so both share one thread pool instead of
 competing for the cores), or, where the compiler has no OpenMP, Python threads (a ``ctypes`` call
@@ -23,6 +24,7 @@ kernel cannot be built; the loss then uses another implementation.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -60,7 +62,8 @@ ENTRY = {
     torch.float64: ("dflash_chunk_f64", torch.float64),
 }
 
-BUILD_SECONDS: float | None = None  # what building took in this process (None: loaded from the cache or not built)
+# what building took in this process (None: loaded from the cache, or built by another process)
+BUILD_SECONDS: float | None = None
 BUILD_ERROR: str | None = None
 _libraries: dict[str, ctypes.CDLL | None] = {}  # per build, once tried (None: it could not be built)
 _errors: dict[str, str] = {}
@@ -120,13 +123,31 @@ def _cache_root() -> Path:
     return Path(tempfile.gettempdir()) / f"dflash-trainer-kernels-{os.getuid()}"
 
 
-def _build(target: Path, isa: str) -> None:
-    """Compile into a temporary file next to ``target``, then rename: concurrent builders (the ranks of
-    one launch) each write their own file and the last rename wins, with identical contents."""
+def _build(target: Path, isa: str) -> bool:
+    """Compile ``target`` unless another process has meanwhile (True: this one compiled it): the ranks of one launch that all find the
+    cache empty take turns on a lock file next to it, so one of them compiles (5 CPU-s here, once, not
+    once per rank) and the others load its library. The compiler writes a temporary file that is then
+    renamed, so no process ever loads a half-written library; the lock file goes once the library is
+    in place (a process still waiting on the removed file then finds the library and returns)."""
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.with_name(target.name + ".lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if target.exists():
+                return False
+            _compile(cxx, target, isa)
+            return True
+        finally:
+            # after the rename: whoever locks a lock file created later finds the library
+            lock_path.unlink(missing_ok=True)
+
+
+def _compile(cxx: str, target: Path, isa: str) -> None:
+    """Compile into a temporary file next to ``target``, then rename it to ``target``."""
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
@@ -157,8 +178,8 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         path = library_path(isa)
         if not path.exists():
             t0 = time.perf_counter()
-            _build(path, isa)
-            BUILD_SECONDS = time.perf_counter() - t0
+            if _build(path, isa):
+                BUILD_SECONDS = time.perf_counter() - t0
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         BUILD_ERROR = _errors[isa] = f"{type(e).__name__}: {e}"

@@ -405,8 +405,12 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos_c, sin_c) for layer in self.layers]
 
     def block_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., H] -> [..., V]`` through the target's head: for a few rows only (eval, tests)."""
-        return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+        """``[..., H] -> [..., V]`` through the target's head: for a few rows only (eval, tests). One 2-D
+        GEMM whatever ``hidden``'s layout: torch runs a strided ``[g, D, H]`` view (the draft slots of g
+        blocks) times the head as g small batched GEMMs, 3.3x slower (g = 256, D = 7, H = 256, V = 8192,
+        one thread; same values)."""
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head_weight.dtype)
+        return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
 
 
 @functools.cache

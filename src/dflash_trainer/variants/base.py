@@ -170,8 +170,7 @@ class Variant:
     def draft_logits(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor):
         """Teacher-forced raw head logits ``[g, D, V]`` of the draft slots of blocks ``hidden`` ``[g, B, H]``
         (``anchors`` ``[g]`` their anchor tokens, ``greedy`` ``[g, D]`` the target's greedy tokens)."""
-        head = drafter.lm_head_weight
-        return hidden[:, 1:].to(head.dtype) @ head.T
+        return drafter.block_logits(hidden[:, 1:])
 
     def draft_confidence(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
         """``[g, D]`` predicted acceptance of each draft slot of blocks ``hidden`` ``[g, B, H]`` (a
