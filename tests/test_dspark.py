@@ -385,6 +385,22 @@ def test_eval_reports_the_confidence_heads_calibration(small_run):
     assert (scored.confidence[0] - walk_conf).abs().max().item() <= bound
 
 
+def test_eval_walks_once_for_the_logits_and_the_confidence(small_run):
+    """Eval takes a block group's draft logits and confidence from one Markov walk
+    (``draft_logits_and_confidence``): the same bits as the two hooks, each walking on its own."""
+    from dflash_trainer.variants.base import Variant
+
+    ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
+    drafter = load_drafter(ckpt, small_run["target"])[0].eval()
+    variant = variant_of(drafter.spec)
+    assert type(variant).draft_logits_and_confidence is not Variant.draft_logits_and_confidence
+    torch.manual_seed(0)
+    hidden, anchors = torch.randn(5, drafter.spec.block_size, drafter.spec.hidden_size), torch.tensor([5, 9, 4, 7, 11])
+    logits, confidence = variant.draft_logits_and_confidence(drafter, hidden, anchors, None)
+    assert torch.equal(logits, variant.draft_logits(drafter, hidden, anchors, None))
+    assert torch.equal(confidence, variant.draft_confidence(drafter, hidden, anchors))
+
+
 def test_eval_command_on_a_dspark_checkpoint(small_run, tmp_path, capsys):
     """`dflash-train eval` end to end on a DSpark checkpoint: B draft slots in the report and the
     plots, and the calibration line under the table."""

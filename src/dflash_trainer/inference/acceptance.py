@@ -37,7 +37,8 @@ from .ddtree import DraftTree, accepted_per_budget, draft_tree
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512)
 REPORT_FORMAT = "dflash-trainer-eval/1"
 # Logit elements one projection chunk may hold: 2**24 fp32 = 64 MiB. A 248K vocabulary with B = 16
-# gives 4 blocks per chunk; the 8K-token tiny target does a row's blocks at once.
+# gives 4 blocks per chunk; the 8K-token tiny target up to 292 at B = 8 (then capped near the row's
+# length: teacher_forced_blocks).
 MAX_LOGIT_ELEMENTS = 1 << 24
 
 
@@ -106,14 +107,18 @@ def teacher_forced_blocks(
     (DFlash: slots 1..B-1), the target's greedy token for each, ``tree_of(j, budget)``, block j's
     DDTree as decoding builds it (``ddtree.draft_tree``: DSpark's is node-conditioned), and for a
     drafter with a confidence head its prediction beside the acceptance it predicts. Each chunk holds
-    at most ``max_logit_elements`` logits per tensor (never ``[L x V]``); the drafter runs with
-    ``attention_backend``."""
+    at most ``max_logit_elements`` logits per tensor (never ``[L x V]``) and at most about as many
+    block slots as the row has context rows; the drafter runs with ``attention_backend``."""
     b = drafter.spec.block_size
     variant = variant_of(drafter.spec)
     span = b + variant.label_shift(drafter.spec)  # D = span - 1 draft slots (DFlash: B - 1; DSpark: B)
     head = drafter.lm_head_weight  # [V, H]
     dev, vocab = head.device, head.shape[0]
     per_chunk = max(1, max_logit_elements // ((span - 1) * vocab))
+    # The dense mask is [g B, L + g B]: its block-to-block part, masked but computed, outgrows the
+    # context once g B > L (the decode path scores every anchor of a row). Capping g B near L keeps
+    # attention within twice the context part, for one more pass over the context keys per chunk.
+    per_chunk = min(per_chunk, max(1, row.input_ids.numel() // b))
     # Anchors and blocks are index bookkeeping, done on the CPU.
     ids, pos, loss_mask = row.input_ids.cpu(), row.position_ids.cpu(), row.loss_mask.cpu()
     doc = doc_ids_from_positions(pos)
@@ -139,16 +144,15 @@ def teacher_forced_blocks(
         rows_read, slot_row = teacher_index.unique(return_inverse=True)  # [u], [g, D]
         target_logits = feats.last_hidden[rows_read].to(head.dtype) @ head.T  # [u, V], u <= g D
         greedy = target_logits.argmax(-1)[slot_row]  # [g, D]
+        del target_logits  # freed before the drafter's logits exist (a confidence check recomputes them)
         anchor_ids = blocks.input_ids[:, 0].to(dev)
-        confidence = variant.draft_confidence(drafter, hidden, anchor_ids)
-        if confidence is None:  # nothing else reads the target's logits: free them before the drafter's
-            del target_logits
-        # [g, D, V]; a variant whose drafts depend on earlier drafts (DSpark's Markov walk) conditions
-        # them on the greedy tokens: exact for the chain, which stops at the first mismatch anyway.
-        draft_logits = variant.draft_logits(drafter, hidden, anchor_ids, greedy)
+        # [g, D, V], and [g, D] or None; a variant whose drafts depend on earlier drafts (DSpark's Markov
+        # walk, DFlash2's selector) walks on its own drafts as decoding does, once for both
+        draft_logits, confidence = variant.draft_logits_and_confidence(drafter, hidden, anchor_ids, greedy)
         acceptance = None
         if confidence is not None:  # what the head is trained to predict: sum_v min(p_v, q_v) at T = 1
             opts = drafter.spec.logit_options
+            target_logits = feats.last_hidden[rows_read].to(head.dtype) @ head.T  # [u, V]
             p = torch.softmax(transform_logits(target_logits.float(), **opts), dim=-1)[slot_row]  # [g, D, V]
             q = torch.softmax(transform_logits(draft_logits.float(), **opts), dim=-1)
             acceptance = torch.minimum(p, q).sum(-1)

@@ -177,6 +177,13 @@ class Variant:
         confidence head's, along the drafts ``draft_logits`` reads), or None: DFlash has no such head."""
         return None
 
+    def draft_logits_and_confidence(
+        self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor
+    ):
+        """``(draft_logits(...), draft_confidence(...))``: eval reads both for every group of blocks; a
+        variant that gets both from one walk (DSpark) overrides this to walk once."""
+        return self.draft_logits(drafter, hidden, anchors, greedy), self.draft_confidence(drafter, hidden, anchors)
+
     def candidate_hits(self, drafter: DFlashDrafter, draft_logits: torch.Tensor, greedy: torch.Tensor):
         """``[g, D]`` bool: whether each slot's target token (``greedy`` ``[g, D]``) is among the tokens the
         variant can draft there (DFlash2's unary top K), from ``draft_logits`` ``[g, D, V]``; None: any token."""

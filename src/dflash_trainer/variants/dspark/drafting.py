@@ -23,6 +23,13 @@ class DSparkDrafting:
         """``[g, D]``: the confidence head's sigmoid along the Markov walk (None without the head)."""
         return self.walk(drafter, hidden, anchors)[2]
 
+    def draft_logits_and_confidence(
+        self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor
+    ):
+        """Both from one Markov walk (eval walked twice: 1.9 CPU-s against 1.4 for one test drafter's report)."""
+        logits, _, confidence = self.walk(drafter, hidden, anchors)
+        return logits, confidence
+
     @torch.no_grad()
     def walk(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
         """Blocks ``hidden`` ``[g, B, H]`` with anchor tokens ``[g]`` -> (raw logits ``[g, D, V]``, drafts
