@@ -3,11 +3,10 @@
 ``kernels/chunk_epilogue.cpp`` is plain C++ (no torch headers): the system's C++ compiler builds it in
 a few seconds into a shared library cached on disk, keyed by the source, the compiler and the CPU
 (it is built with ``-march=native`` where the compiler takes it; the ranks of one launch build it
-once between them); ``ctypes`` loads it. A chunk's rows
-are split across ``torch.get_num_threads()`` threads: OpenMP's inside the kernel (built with
-``-fopenmp``, it binds to the ``libgomp`` torch has loaded, so both share one thread pool instead of
-competing for the cores), or, where the compiler has no OpenMP, Python threads (a ``ctypes`` call
-releases the GIL).
+once between them); ``ctypes`` loads it. A chunk's rows are split across ``torch.get_num_threads()``
+threads: OpenMP's inside the kernel (built with ``-fopenmp``, it binds to the ``libgomp`` torch has
+loaded, so both share one thread pool instead of competing for the cores), or, where the compiler has
+no OpenMP, Python threads (a ``ctypes`` call releases the GIL).
 
 Two builds of the same source: ``native`` (the default: ``-march=native``, every vector extension of
 this CPU, AVX-512 or AVX2 or NEON) and ``baseline`` (the architecture's baseline instruction set,
@@ -124,11 +123,12 @@ def _cache_root() -> Path:
 
 
 def _build(target: Path, isa: str) -> bool:
-    """Compile ``target`` unless another process has meanwhile (True: this one compiled it): the ranks of one launch that all find the
-    cache empty take turns on a lock file next to it, so one of them compiles (5 CPU-s here, once, not
-    once per rank) and the others load its library. The compiler writes a temporary file that is then
-    renamed, so no process ever loads a half-written library; the lock file goes once the library is
-    in place (a process still waiting on the removed file then finds the library and returns)."""
+    """Compile ``target`` unless another process has meanwhile (True: this one compiled it). The ranks of
+    one launch that all find the cache empty take turns on a lock file next to it, so one of them
+    compiles (5 CPU-s here, once, not once per rank) and the others load its library. The compiler
+    writes a temporary file that is then renamed, so no process ever loads a half-written library; the
+    lock file goes once the library is in place (a process still waiting on the removed file then finds
+    the library and returns; after a failed build two may compile at once, each into its own file)."""
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")

@@ -410,7 +410,7 @@ class DFlashDrafter(nn.Module):
         blocks) times the head as g small batched GEMMs, 3.3x slower (g = 256, D = 7, H = 256, V = 8192,
         one thread; same values)."""
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head_weight.dtype)
-        return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
+        return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], self.lm_head_weight.shape[0])
 
 
 @functools.cache
