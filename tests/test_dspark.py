@@ -387,7 +387,7 @@ def test_eval_reports_the_confidence_heads_calibration(small_run):
 
 def test_eval_walks_once_for_the_logits_and_the_confidence(small_run):
     """Eval takes a block group's draft logits and confidence from one Markov walk
-    (``draft_logits_and_confidence``): the same bits as the two hooks, each walking on its own."""
+    (``draft_logits_and_confidence``): the same bits as ``draft_logits`` and the walk's confidence."""
     from dflash_trainer.variants.base import Variant
 
     ckpt = small_run["tmp"] / "run" / "checkpoints" / "step-0000040"
@@ -398,7 +398,7 @@ def test_eval_walks_once_for_the_logits_and_the_confidence(small_run):
     hidden, anchors = torch.randn(5, drafter.spec.block_size, drafter.spec.hidden_size), torch.tensor([5, 9, 4, 7, 11])
     logits, confidence = variant.draft_logits_and_confidence(drafter, hidden, anchors, None)
     assert torch.equal(logits, variant.draft_logits(drafter, hidden, anchors, None))
-    assert torch.equal(confidence, variant.draft_confidence(drafter, hidden, anchors))
+    assert torch.equal(confidence, variant.walk(drafter, hidden, anchors)[2])
 
 
 def test_eval_command_on_a_dspark_checkpoint(small_run, tmp_path, capsys):

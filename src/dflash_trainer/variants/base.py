@@ -172,17 +172,13 @@ class Variant:
         (``anchors`` ``[g]`` their anchor tokens, ``greedy`` ``[g, D]`` the target's greedy tokens)."""
         return drafter.block_logits(hidden[:, 1:])
 
-    def draft_confidence(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
-        """``[g, D]`` predicted acceptance of each draft slot of blocks ``hidden`` ``[g, B, H]`` (a
-        confidence head's, along the drafts ``draft_logits`` reads), or None: DFlash has no such head."""
-        return None
-
     def draft_logits_and_confidence(
         self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor
     ):
-        """``(draft_logits(...), draft_confidence(...))``: eval reads both for every group of blocks; a
-        variant that gets both from one walk (DSpark) overrides this to walk once."""
-        return self.draft_logits(drafter, hidden, anchors, greedy), self.draft_confidence(drafter, hidden, anchors)
+        """What eval reads for every group of blocks: ``draft_logits`` and the ``[g, D]`` predicted
+        acceptance of each draft slot along those drafts (a confidence head's), or None as the second:
+        DFlash has no such head. A variant with one (DSpark) overrides this to get both from one walk."""
+        return self.draft_logits(drafter, hidden, anchors, greedy), None
 
     def candidate_hits(self, drafter: DFlashDrafter, draft_logits: torch.Tensor, greedy: torch.Tensor):
         """``[g, D]`` bool: whether each slot's target token (``greedy`` ``[g, D]``) is among the tokens the

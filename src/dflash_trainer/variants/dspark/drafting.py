@@ -19,14 +19,11 @@ class DSparkDrafting:
         first mismatch), and the sampled chain is the drafts decoding really verifies."""
         return self.walk(drafter, hidden, anchors)[0]
 
-    def draft_confidence(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
-        """``[g, D]``: the confidence head's sigmoid along the Markov walk (None without the head)."""
-        return self.walk(drafter, hidden, anchors)[2]
-
     def draft_logits_and_confidence(
         self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, greedy: torch.Tensor
     ):
-        """Both from one Markov walk (eval walked twice: 1.9 CPU-s against 1.4 for one test drafter's report)."""
+        """The Markov walk's logits (``draft_logits``) and the confidence head's sigmoid along it (None
+        without the head), from one walk (two cost eval 1.9 CPU-s against 1.4 on one test drafter)."""
         logits, _, confidence = self.walk(drafter, hidden, anchors)
         return logits, confidence
 
