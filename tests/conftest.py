@@ -81,27 +81,39 @@ def _native_kernel_build(request, monkeypatch):
 # (3.8 here) sorts the files by their number of tests unless told not to (``--no-loadscope-reorder``,
 # which ``pytest_configure`` below sets for every run), and this order was lost (measured 2026-12-07:
 # test_dspark_sampling.py, 3 tests and 116 s, was handed out among the last). The order changes only when
-# a file runs, never what it checks. Ranked by the seconds a file's tests took in the suite
-# (tests/cpu_report.py, 2 cores, 3 workers, 2026-12-07).
+# a file runs, never what it checks. Ranked by the wall seconds a file's tests took in the suite, the mean
+# of two warm runs (tests/cpu_report.py, 2 cores, 3 workers, 2026-12-07), every file of 15 s or more: a file
+# left out runs after these in alphabetical order, so a 33 s file left out (test_trackers.py) ran last,
+# one core idle for about 30 s.
 LONGEST_FILES = (
-    "test_speculative.py",
-    "test_vllm_serving.py",
-    "test_dflash2_trained.py",
-    "test_dspark_sampling.py",
-    "test_eval.py",
-    "test_distributed.py",
-    "test_loss_triton.py",
-    "test_hardening_surfaces.py",
-    "test_generate_vllm.py",
-    "test_vllm_capture.py",
-    "test_foreign_drafters.py",
-    "test_warm_start.py",
-    "test_families.py",
-    "test_train.py",
-    "test_loss.py",
-    "test_dspark.py",
-    "test_offline.py",
-    "test_gpu_check.py",
+    "test_speculative.py",  # 215 s
+    "test_vllm_serving.py",  # 187 s
+    "test_eval.py",  # 141 s
+    "test_distributed.py",  # 118 s
+    "test_dflash2_trained.py",  # 109 s
+    "test_loss_triton.py",  # 106 s
+    "test_dspark_sampling.py",  # 103 s
+    "test_generate_vllm.py",  # 84 s
+    "test_vllm_capture.py",  # 72 s
+    "test_train.py",  # 65 s
+    "test_hardening_surfaces.py",  # 64 s
+    "test_foreign_drafters.py",  # 56 s
+    "test_dspark.py",  # 51 s
+    "test_offline.py",  # 50 s
+    "test_families.py",  # 44 s
+    "test_warm_start.py",  # 39 s
+    "test_loss.py",  # 37 s
+    "test_gpu_check.py",  # 37 s
+    "test_trackers.py",  # 36 s
+    "test_feature_window.py",  # 34 s
+    "test_demo.py",  # 30 s
+    "test_export.py",  # 27 s
+    "test_on_policy.py",  # 26 s
+    "test_dflash2_export.py",  # 26 s
+    "test_prepared_data.py",  # 18 s
+    "test_generate.py",  # 18 s
+    "test_planner.py",  # 17 s
+    "test_hardening_run.py",  # 16 s
 )
 
 
