@@ -401,6 +401,46 @@ def test_eval_walks_once_for_the_logits_and_the_confidence(small_run):
     assert torch.equal(confidence, variant.walk(drafter, hidden, anchors)[2])
 
 
+@pytest.mark.parametrize("from_anchor", [True, False])
+def test_the_walks_one_head_gemm_is_the_per_slot_logits(small_run, from_anchor):
+    """The walk takes every slot's head logits ``hidden[:, k] @ W^T`` from one GEMM and adds the Markov
+    bias of the draft before (the anchor for the first): against the plain per-slot reference (the
+    vanilla head's bias W2 W1[prev], one GEMV per block and slot) in float64, within the two
+    evaluations' rounding, gamma_(H + r) of the magnitudes; and the DDTree's slot logits are the walk's."""
+    import copy
+    from dataclasses import replace
+
+    from dflash_trainer.variants import make_drafter
+
+    target = small_run["target"]
+    target = TargetModel(copy.deepcopy(target.model).double(), layer_ids=target.layer_ids)
+    trained = load_drafter(small_run["tmp"] / "run" / "checkpoints" / "step-0000040", target)[0]
+    options = {**trained.spec.variant_options, "sample_from_anchor": from_anchor}
+    drafter = make_drafter(replace(trained.spec, variant_options=options), target.embed_tokens, target.lm_head_weight)
+    drafter.load_state_dict(trained.state_dict())
+    drafter = drafter.double().eval()
+    head, w = drafter.markov_head, drafter.lm_head_weight
+    assert head.head_type == "vanilla"
+    torch.nn.init.normal_(head.markov_w1.weight, std=0.5)  # a bias large enough to change drafts
+    variant, first = variant_of(drafter.spec), 1 - int(from_anchor)
+    g, b, h = 3, block_span(drafter.spec), drafter.spec.hidden_size
+    hidden = torch.randn(g, b, h, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    anchors = torch.tensor([5, 9, 4])
+    logits, drafts, _ = variant.walk(drafter, hidden, anchors)
+    assert logits.shape == (g, b - first, w.shape[0]) and drafts.shape == (g, b - first)
+    for i in range(g):
+        for j in range(b - first):
+            prev = int(anchors[i]) if j == 0 else int(drafts[i, j - 1])
+            bias_terms = head.markov_w2.weight * head.markov_w1.weight[prev]  # [V, r]
+            want = hidden[i, first + j] @ w.T + bias_terms.sum(-1)
+            magnitude = (hidden[i, first + j].abs() @ w.abs().T + bias_terms.abs().sum(-1)).max().item()
+            bound = 2 * tolerances.gamma(h + head.rank, torch.float64) * magnitude  # both sides' rounding
+            assert (logits[i, j] - want).abs().max().item() <= bound
+            assert int(drafts[i, j]) == int(logits[i, j].argmax())
+    root, _ = variant.tree_expansion(drafter, hidden[0], int(anchors[0]))
+    assert int(root[0].argmax()) == int(drafts[0, 0])  # the tree's root children rank the walk's first draft first
+
+
 def test_eval_command_on_a_dspark_checkpoint(small_run, tmp_path, capsys):
     """`dflash-train eval` end to end on a DSpark checkpoint: B draft slots in the report and the
     plots, and the calibration line under the table."""

@@ -30,13 +30,21 @@ class DSparkDrafting:
     @torch.no_grad()
     def walk(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor):
         """Blocks ``hidden`` ``[g, B, H]`` with anchor tokens ``[g]`` -> (raw logits ``[g, D, V]``, drafts
-        ``[g, D]``, confidence ``[g, D]`` or None): slot by slot, one small GEMM per slot, only the heads walk."""
+        ``[g, D]``, confidence ``[g, D]`` or None): slot by slot, only the heads walk.
+
+        The head's part of every slot's logits, ``hidden[:, k] @ W^T``, does not depend on the walk: one
+        ``[g D, H] @ [H, V]`` GEMM gives all of them, reading W once instead of once per slot (decoding,
+        g = 1: D GEMVs each streaming the whole head took 2.8 ms against 0.9 ms for one GEMM, D = 8,
+        H = 256, V = 8192, one thread); the walk adds each slot's Markov bias in place."""
         spec, head, w_head = drafter.spec, drafter.markov_head, drafter.lm_head_weight
-        g, b, _ = hidden.shape
+        g, b, h_size = hidden.shape
         shift = self.label_shift(spec)
+        first = 1 - shift  # slot 0 without sample_from_anchor: no draft (it only advances the rnn state)
+        drafting = hidden[:, first:].to(w_head.dtype)  # [g, D, H]
+        logits = (drafting.reshape(-1, h_size) @ w_head.T).view(g, b - first, w_head.shape[0])  # [g, D, V]
         seq = [anchors.long()]  # tokens at anchor + 0, 1, ...
         state = hidden.new_zeros(g, head.rank, dtype=head.markov_w1.weight.dtype)
-        logits, confs = [], []
+        confs = []
         with_markov = self.settings(spec).confidence_head_with_markov
         for k in range(b):
             emb = head.markov_w1(seq[max(0, k + shift - 1)])  # [g, r]
@@ -47,15 +55,15 @@ class DSparkDrafting:
                 feat = torch.sigmoid(head.gate_proj(torch.cat([h, emb], dim=-1))) * emb
             else:
                 feat, state = head._rnn_step(state, emb, h)
-            if k < 1 - shift:  # slot 0 without sample_from_anchor: no draft (it only advances the rnn state)
+            if k < first:
                 continue
-            z = hidden[:, k].to(w_head.dtype) @ w_head.T + (feat @ head.markov_w2.weight.T).to(w_head.dtype)
-            logits.append(z)
+            z = logits[:, k - first]
+            z += (feat @ head.markov_w2.weight.T).to(w_head.dtype)  # the Markov bias of the draft before
             seq.append(z.argmax(-1))
             if hasattr(drafter, "confidence_head"):
                 confs.append(torch.sigmoid(drafter.confidence_head(torch.cat([h, emb], -1) if with_markov else h)))
         conf = torch.stack(confs, 1) if confs else None
-        return torch.stack(logits, 1), torch.stack(seq[1:], 1), conf
+        return logits, torch.stack(seq[1:], 1), conf
 
     @torch.no_grad()
     def tree_expansion(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int):
@@ -64,7 +72,10 @@ class DSparkDrafting:
         depth 1); the rnn head's state follows the node's path."""
         spec, head, w_head = drafter.spec, drafter.markov_head, drafter.lm_head_weight
         shift = self.label_shift(spec)
-        slot_logits = {}  # k -> hidden[k] @ W^T [V]: the same for every node at depth k, so computed once
+        first = 1 - shift
+        # hidden[k] @ W^T [V]: the same for every node at depth k, so one GEMM for every drafting slot, the
+        # walk's (``walk`` with g = 1: the same GEMM, so the rank-0 path is the walk's, bit for bit)
+        slot_logits = hidden[first:].to(w_head.dtype) @ w_head.T  # [D, V]
 
         def step(k: int, prev: int, state):
             emb = head.markov_w1.weight[prev]
@@ -75,9 +86,9 @@ class DSparkDrafting:
                 feat = torch.sigmoid(head.gate_proj(torch.cat([h, emb]))) * emb
             else:
                 feat, state = head._rnn_step(state, emb, h)
-            if k not in slot_logits:
-                slot_logits[k] = hidden[k].to(w_head.dtype) @ w_head.T
-            raw = slot_logits[k] + (head.markov_w2.weight @ feat).to(w_head.dtype)
+            if k < first:  # slot 0 without sample_from_anchor: it only advances the rnn state
+                return None, state
+            raw = slot_logits[k - first] + (head.markov_w2.weight @ feat).to(w_head.dtype)
             return torch.log_softmax(transform_logits(raw.float(), **spec.logit_options), dim=-1), state
 
         state = hidden.new_zeros(head.rank, dtype=head.markov_w1.weight.dtype)
