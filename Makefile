@@ -47,11 +47,12 @@ test: $(VENV)/.installed-test $(VENV)/.triton
 	$(VENV)/bin/lint-imports
 	@# Where PYTHONDONTWRITEBYTECODE is set (these machines), no process writes bytecode, so every Python
 	@# process the suite starts compiled the package's modules again (0.24 CPU-s per start, measured):
-	@# compile them once here (pip already compiled everything it installed).
+	@# compile them once here, before the parallel run (pip already compiled everything it installed).
 	$(PY) -m compileall -q src/dflash_trainer tests > /dev/null
 	@# pytest's assertion rewriting of the test files is bytecode too, which it caches only where it may
-	@# write bytecode: without the cache each xdist worker rewrote every test file at collection, every
-	@# run (8.6 CPU-s of collection against 5.6 with the cache, measured): let it write its cache.
+	@# write bytecode: with the variable set, each xdist worker rewrote every test file at collection, in
+	@# every run (8.6 CPU-s of collection against 5.6 with the cache, measured). The suite runs with it
+	@# unset, so pytest keeps its cache (and a process the suite starts may write bytecode too).
 	PYTHONDONTWRITEBYTECODE= DFLASH_TEST_CPU_REPORT=$(VENV)/test-cpu.jsonl \
 		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
