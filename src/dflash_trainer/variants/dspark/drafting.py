@@ -73,8 +73,8 @@ class DSparkDrafting:
         spec, head, w_head = drafter.spec, drafter.markov_head, drafter.lm_head_weight
         shift = self.label_shift(spec)
         first = 1 - shift
-        # hidden[k] @ W^T [V]: the same for every node at depth k, so one GEMM for every drafting slot, the
-        # walk's (``walk`` with g = 1: the same GEMM, so the rank-0 path is the walk's, bit for bit)
+        # hidden[k] @ W^T [V]: the same for every node at depth k, so one GEMM for every drafting slot (the
+        # GEMM ``walk`` runs for one block)
         slot_logits = hidden[first:].to(w_head.dtype) @ w_head.T  # [D, V]
 
         def step(k: int, prev: int, state):
