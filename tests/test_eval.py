@@ -104,9 +104,11 @@ def test_chain_tau_equals_training_eval(setup):
         rep = acceptance_report(
             setup.target, setup.drafter, setup.rows, budgets=(4,), max_blocks_per_row=16, max_logit_elements=chunk
         )
+        # the same drafts accepted: tau and the slot acceptances are means of the same counts (integers,
+        # summed exactly in float64, then one division), so they are equal, not close
         assert rep["blocks"] == ref["blocks"] > 50
-        assert rep["tau"] == pytest.approx(ref["tau"], abs=1e-12)
-        assert rep["slot_acceptance"] == pytest.approx(ref["slot_acceptance"], abs=1e-6)
+        assert rep["tau"] == ref["tau"]
+        assert rep["slot_acceptance"] == ref["slot_acceptance"]
     assert rep["tau"] > 1.3  # the few training steps taught it something: the checks below are not vacuous
 
 
