@@ -3,8 +3,6 @@ eval, against one-block-at-a-time decoding with a brute-force tree, and through 
 
 import itertools
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -233,37 +231,34 @@ def test_labels_tell_checkpoints_apart(tmp_path):
     assert unique_labels([tmp_path / "g4", tmp_path / "g10"]) == ["g4", "g10"]
 
 
-def test_cli_compares_two_checkpoints(setup, tmp_path):
+def test_cli_compares_two_checkpoints(setup, tmp_path, monkeypatch):
+    """``eval A B`` from the command line, labelled by their paths relative to the working directory. In
+    this process (``cli.main``): eval's refusals run as processes (test_foreign_drafters.py,
+    test_hardening_surfaces.py)."""
+    from cli_runs import in_process
+
     out = tmp_path / "report"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_trainer.cli",
-            "eval",
-            str(setup.trained),
-            str(setup.fresh),
-            "--data",
-            str(setup.data),
-            "--out",
-            str(out),
-            "--budgets",
-            "2,8,32",
-            "--max-blocks-per-row",
-            "8",
-            "--set",
-            "data.seq_len=128",
-            "--temperature",
-            "1.0",
-            "--sample-prompts",
-            "2",
-            "--max-new-tokens",
-            "12",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    monkeypatch.chdir(tmp_path)
+    result = in_process(
+        "eval",
+        str(setup.trained),
+        str(setup.fresh),
+        "--data",
+        str(setup.data),
+        "--out",
+        str(out),
+        "--budgets",
+        "2,8,32",
+        "--max-blocks-per-row",
+        "8",
+        "--set",
+        "data.seq_len=128",
+        "--temperature",
+        "1.0",
+        "--sample-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
