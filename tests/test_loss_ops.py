@@ -129,10 +129,12 @@ def test_compiled_drafter_step_matches_eager():
     torch._dynamo.reset()
     compiled = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
     assert eager[0].item() > 0
+    # aot_eager runs the traced ATen ops eagerly and the loss's custom ops as they are: the same kernels
+    # in the same order, so the same floats
     for a, b in zip(eager[:3], compiled[:3]):
-        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+        assert torch.equal(a, b)
     for a, b in zip(eager[3], compiled[3]):
-        assert (a - b).abs().max().item() < 1e-12
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
