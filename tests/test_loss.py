@@ -59,6 +59,17 @@ TERMS = {
 KERNELS = pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
 
 
+def float64_bounds(hs, ht, w_head, labels, weights, terms):
+    """``(loss, gradient, averaged term)`` bounds between two float64 evaluations of the loss in different
+    orders (the fused path in chunks, the reference, another chunking): each is within
+    ``tolerances.fused_loss_error`` at float64 of the exact value, so they are within the sum of two
+    (``tolerances.combined``). A wrong term, weight or temperature moves them by 1e-4 or more."""
+    loss_error, grad_error, term_error = tolerances.fused_loss_error(
+        hs.detach(), ht, w_head, labels, weights, F64, terms
+    )
+    return tuple(tolerances.combined(b, b) for b in (loss_error, grad_error, term_error))
+
+
 @KERNELS
 @pytest.mark.parametrize("name", list(TERMS))
 def test_matches_reference_float64(name, compiled):
@@ -72,11 +83,12 @@ def test_matches_reference_float64(name, compiled):
     ref_loss, ref_metrics = reference_draft_loss(hs, ht, w_head, labels, weights, terms)
     (ref_grad,) = torch.autograd.grad(ref_loss, hs)
     assert loss.dtype == F64
-    assert abs(loss.item() - ref_loss.item()) < 1e-10
-    assert (grad - ref_grad).abs().max().item() < 1e-10
+    loss_bound, grad_bound, term_bound = float64_bounds(hs, ht, w_head, labels, weights, terms)
+    assert abs(loss.item() - ref_loss.item()) <= loss_bound
+    assert ((grad - ref_grad).abs() <= grad_bound).all()
     assert grad[weights == 0].abs().max().item() == 0.0  # weight-0 rows get no gradient
     for key in ("ce", "kl", "cap", "accuracy", "agreement"):
-        assert abs(metrics[key].item() - ref_metrics[key].item()) < 1e-10, key
+        assert abs(metrics[key].item() - ref_metrics[key].item()) <= term_bound, key
     assert metrics["correct"].item() > 0  # CAP really had rows to act on
 
 
@@ -88,8 +100,9 @@ def test_chunk_invariance(chunk):
     (base_grad,) = torch.autograd.grad(base, hs)
     loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk)
     (grad,) = torch.autograd.grad(loss, hs)
-    assert abs(loss.item() - base.item()) < 1e-12
-    assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
+    loss_bound, grad_bound, _ = float64_bounds(hs, ht, w_head, labels, weights, terms)
+    assert abs(loss.item() - base.item()) <= loss_bound
+    assert ((grad - base_grad).abs() <= grad_bound).all()
 
 
 @pytest.mark.parametrize("kernel", ["native"])
@@ -102,9 +115,10 @@ def test_compiled_matches_eager_across_chunkings(chunk, kernel):
     (base_grad,) = torch.autograd.grad(base, hs)
     loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk, compile=kernel, **kw)
     (grad,) = torch.autograd.grad(loss, hs)
-    assert abs(loss.item() - base.item()) < 1e-12
-    assert torch.allclose(grad, base_grad, rtol=0, atol=1e-14)
-    assert torch.allclose(m["per_slot"]["ce"], base_m["per_slot"]["ce"], rtol=0, atol=1e-12)
+    loss_bound, grad_bound, term_bound = float64_bounds(hs, ht, w_head, labels, weights, terms)
+    assert abs(loss.item() - base.item()) <= loss_bound
+    assert ((grad - base_grad).abs() <= grad_bound).all()
+    assert ((m["per_slot"]["ce"] - base_m["per_slot"]["ce"]).abs() <= term_bound).all()
     with torch.no_grad():  # inference: the kernel without its gradient pass
         loss_ng, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk, compile=kernel, **kw)
     assert abs(loss_ng.item() - base.item()) < 1e-12
@@ -275,10 +289,14 @@ def test_grad_output_scaling_and_retain_graph():
     hs, ht, w_head, labels, weights, _ = make_inputs()
     loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, TERMS["combined_T"])
     (g1,) = torch.autograd.grad(loss, hs, retain_graph=True)
+    # k times the gradient two ways: each within k float64_bounds of k times the exact one, and k g1's
+    # own rounding (and the accumulation's, for the second backward) one unit each
+    _, grad_bound, _ = float64_bounds(hs, ht, w_head, labels, weights, TERMS["combined_T"])
+    u = tolerances.unit_roundoff(F64)
     (3 * loss).backward(retain_graph=True)
-    assert torch.allclose(hs.grad, 3 * g1, rtol=1e-13, atol=0)
+    assert ((hs.grad - 3 * g1).abs() <= 3 * grad_bound + u * (3 * g1).abs()).all()
     loss.backward()  # second backward through the same graph
-    assert torch.allclose(hs.grad, 4 * g1, rtol=1e-13, atol=0)
+    assert ((hs.grad - 4 * g1).abs() <= 4 * grad_bound + 2 * u * (4 * g1).abs()).all()
 
 
 def test_upstream_graph_receives_gradient():

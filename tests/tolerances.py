@@ -145,7 +145,9 @@ def fused_loss_error(
 ):  # fmt: skip
     """Bounds for the fused draft loss with ``terms`` (a ``LossTerms``; its call keywords: the low-rank
     bias and the block ids) computed from the float64 inputs rounded to ``dtype`` (fp32, or
-    bf16 with fp32 logits), against the float64 reference on the float64 inputs: ``(loss_error,
+    bf16 with fp32 logits; float64 computes in float64, and is then bounded against the exact value,
+    so two float64 evaluations differ by at most twice the bounds), against the float64 reference on the
+    float64 inputs: ``(loss_error,
     grad_error, term_error)``: the loss's absolute error, an elementwise ``[N, H]`` bound on the
     gradient of ``hs`` (before its own rounding to ``dtype``), and the bound of a metric that averages
     one per-row term (CE, KL, CAP's entropy). Magnitudes come from the float64 distributions.
@@ -194,26 +196,28 @@ def fused_loss_error(
     dpace = t.credit is not None and t.credit.confidence == "label_prob"  # D-PACE's
     dpard_alpha = dpace_alpha = t.credit.alpha if t.credit is not None else 0.5
     weighted = [term for term in t.pair_terms if term.weight > 0]
-    u_d, u = unit_roundoff(dtype), unit_roundoff(torch.float32)
+    # the arithmetic's dtype: fp32 logits and sums for fp32 and bf16 inputs, float64 for float64
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    u_d, u = unit_roundoff(dtype), unit_roundoff(acc)
     hs, ht, w_head, weights = (x.detach().double() for x in (hs, ht, w_head, weights))
     n, h = hs.shape
     vocab = w_head.shape[0]
     a, temp, tc = kl_weight, temperature, cap_temperature
     t_min = min(1.0, temp, tc)
-    z_error = [(3 * u_d + gamma(h, torch.float32)) * (x.abs() @ w_head.abs().T).amax(-1) for x in (hs, ht)]
+    z_error = [(3 * u_d + gamma(h, acc)) * (x.abs() @ w_head.abs().T).amax(-1) for x in (hs, ht)]
     dz = torch.maximum(*z_error)  # [N]
     bias = 0.0
     if bias_rows is not None:
         e, w2 = bias_rows.detach().double(), bias_weight.detach().double()
         bias = e @ w2.T  # [N, V], the student's only
-        dz = dz + (3 * u_d + gamma(e.shape[1], torch.float32)) * (e.abs() @ w2.abs().T).amax(-1)
+        dz = dz + (3 * u_d + gamma(e.shape[1], acc)) * (e.abs() @ w2.abs().T).amax(-1)
     coef = weights / weights.sum()
     zs = transformed_logits(hs @ w_head.T + bias, logit_scale, softcap)  # [N, V]
     zt = transformed_logits(ht @ w_head.T, logit_scale, softcap)
     zmax = torch.maximum(zs.abs().amax(-1), zt.abs().amax(-1))
     spread = torch.maximum(zs.amax(-1) - zs.amin(-1), zt.amax(-1) - zt.amin(-1)) / t_min
-    transform = (3 * u + elementary_error()) * zmax * 2 / t_min
-    delta = 2 * abs(logit_scale) * dz / t_min + softmax_error(vocab, spread) + transform + 4 * u  # [N]
+    transform = (3 * u + elementary_error(acc)) * zmax * 2 / t_min
+    delta = 2 * abs(logit_scale) * dz / t_min + softmax_error(vocab, spread, acc) + transform + 4 * u  # [N]
 
     y = zt.argmax(-1) if label_source == "teacher" else labels
     lse = torch.logsumexp(zs, -1)
@@ -242,7 +246,7 @@ def fused_loss_error(
             for k in (j for j in same if j >= i):
                 credit[i] += torch.prod(s_acc[[j for j in same if j <= k]])
         coef = credit / len(ids)
-        coef_rel = coef_rel + longest * 4 * delta[live].max() / dpard_alpha + gamma(longest, torch.float32)
+        coef_rel = coef_rel + longest * 4 * delta[live].max() / dpard_alpha + gamma(longest, acc)
     if dpace:
         s_conf = dpace_alpha + (1 - dpace_alpha) * torch.exp(-ce)
         ids = live.nonzero().squeeze(1).tolist()
@@ -254,13 +258,13 @@ def fused_loss_error(
             for k in (j for j in same if j >= i):
                 credit[i] += torch.prod(s_conf[[j for j in same if j <= k]])
         coef = credit / len(ids)
-        coef_rel = coef_rel + longest * delta[live].max() / dpace_alpha + gamma(2 * longest, torch.float32)
+        coef_rel = coef_rel + longest * delta[live].max() / dpace_alpha + gamma(2 * longest, acc)
 
     parts = (1 - a) * (term(ce) + u * lse.abs()) + a * temp**2 * term(kl)
     rows_abs = (1 - a) * ce.abs() + a * temp**2 * kl.abs()
     loss_error = (coef * (parts + coef_rel * rows_abs)).sum() + cap_weight * term(entropy)[correct].sum() / n_c
     magnitude = (coef * ((1 - a) * ce.abs() + a * temp**2 * kl.abs())).sum() + cap_weight * entropy[correct].mean()
-    loss_error = loss_error + (gamma(n, torch.float32) + 2 * u_d) * magnitude
+    loss_error = loss_error + (gamma(n, acc) + 2 * u_d) * magnitude
 
     g_abs = (1 - a) * (p + torch.nn.functional.one_hot(y, vocab)) + a * temp * (p_t + q_t)
     for pair in (x for x in weighted if x.statistic == "renyi_half"):  # Renyi-1/2 (scale 1, offset 0)
@@ -287,17 +291,15 @@ def fused_loss_error(
     cap = cap_weight / (n_c * tc) * pc * (log_pc.abs() + entropy[:, None] + 2)
     g_abs = g_abs + torch.where(correct[:, None], cap, torch.zeros_like(cap))
     g_abs = g_abs * live[:, None]
-    g_rel = (delta + coef_rel + gamma(vocab, torch.float32) + 2 * u_d)[:, None] * abs(logit_scale)
+    g_rel = (delta + coef_rel + gamma(vocab, acc) + 2 * u_d)[:, None] * abs(logit_scale)
     grad_error = g_rel * (g_abs @ w_head.abs())
     # a metric that is a weighted mean of one per-row term (CE, KL, the CAP entropy): the worst row's
     # bound plus the mean's own rounding
     worst = torch.stack([term(ce), term(kl), term(entropy)])[:, live].amax()
-    term_error = worst + (gamma(n, torch.float32) + 2 * u_d) * torch.stack([ce, kl, entropy])[:, live].abs().amax()
+    term_error = worst + (gamma(n, acc) + 2 * u_d) * torch.stack([ce, kl, entropy])[:, live].abs().amax()
     if bias_rows is not None:
         e_error = g_rel * (g_abs @ w2.abs())
-        w2_error = (
-            (delta.max() + coef_rel.max() + gamma(n, torch.float32) + 2 * u_d) * abs(logit_scale) * (g_abs.T @ e.abs())
-        )
+        w2_error = (delta.max() + coef_rel.max() + gamma(n, acc) + 2 * u_d) * abs(logit_scale) * (g_abs.T @ e.abs())
         grad_error = (grad_error, e_error, w2_error)
     return loss_error.item(), grad_error, term_error.item()
 
