@@ -91,9 +91,10 @@ def renyi_gradient_weight(terms: LossTerms) -> float:
     return sum(t.weight * abs(t.scale) for t in terms.pair_terms if t.statistic == "renyi_half" and t.weight > 0)
 
 
-def epilogue_error(zs_raw, zt_raw, coef, terms: LossTerms):
+def epilogue_error(zs_raw, zt_raw, coef, terms: LossTerms, dtype: torch.dtype = torch.float32):
     """Bounds for a chunk epilogue (``native.chunk_epilogue``'s contract, ``terms`` a ``LossTerms``)
-    computed in float from raw logits exact in the head dtype, against the same epilogue in float64. Returns
+    computed in float from raw logits exact in the head dtype (``dtype`` float64: in double, from float64
+    logits, then against the exact epilogue), against the same epilogue in float64. Returns
     ``(row_error, g_error)``: ``row_error(x64)`` bounds each row result (lse, entropy, KL, acceptance,
     Renyi) given its float64 value, ``g_error`` ``[c, 1]`` bounds every element of G before it is
     rounded to the head dtype (``g_head_error`` adds that rounding).
@@ -111,15 +112,15 @@ def epilogue_error(zs_raw, zt_raw, coef, terms: LossTerms):
     sqrt(p q)) are within that too."""
     kl_weight, temperature, cap_temperature = terms.kl_weight, terms.temperature, terms.cap_temperature
     logit_scale, softcap, renyi_weight = terms.logit_scale, terms.softcap, renyi_gradient_weight(terms)
-    u = unit_roundoff(torch.float32)
+    u = unit_roundoff(dtype)
     t_min = min(1.0, temperature, cap_temperature)
     zs = transformed_logits(zs_raw, logit_scale, softcap)
     logits = [zs] + ([transformed_logits(zt_raw, logit_scale, softcap)] if zt_raw is not None else [])
     vocab = zs.shape[-1]
     zmax = torch.stack([z.abs().amax(-1) for z in logits]).amax(0)  # [c]
     spread = torch.stack([z.amax(-1) - z.amin(-1) for z in logits]).amax(0) / t_min  # [c]
-    transform = (3 * u + elementary_error()) * zmax * 2 / t_min
-    delta = softmax_error(vocab, spread) + transform + 4 * u  # [c]
+    transform = (3 * u + elementary_error(dtype)) * zmax * 2 / t_min
+    delta = softmax_error(vocab, spread, dtype) + transform + 4 * u  # [c]
     m = (1 - kl_weight) + 2 * kl_weight * temperature + 3 * renyi_weight
     g_error = (coef.double().abs() * abs(logit_scale) * (m * delta + 4 * u * (m + 1)))[:, None]
 
