@@ -288,8 +288,9 @@ def test_the_check_compares_walk_scores_over_their_candidates():
 
     inf = float("-inf")
     want = torch.tensor([[1.0, inf, 2.0], [inf, 0.5, inf]])
+    # 1 + 1e-4 in fp32 is 1 + 1e-4 within half an ulp of 1 (2^-24): the difference read back is that
     assert compare_draft_logits(want + torch.tensor([[1e-4, 0.0, 0.0], [0.0, 0.0, 0.0]]), want) == (
-        pytest.approx(1e-4, rel=1e-3),
+        pytest.approx(1e-4, rel=0, abs=2.0**-24),
         0,
     )
     moved = torch.tensor([[1.0, 3.0, inf], [inf, 0.5, inf]])  # slot 0 scores another candidate

@@ -184,8 +184,10 @@ def test_two_targets_one_drafter_equal_one_process(single, data, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["bytes_received"] > 0 and r["recv_bytes_per_s"] > 0 for r in records)
     assert all(0 <= r["drafter_wait_s"] and 0 < r["target_busy_fraction"] <= 1.5 for r in records)
-    assert records[-1]["eval_tau"] == pytest.approx(
-        [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()][-1]["eval_tau"], abs=1e-9
+    # the same features and weights (the losses above are equal): the same counts, the same tau
+    assert (
+        records[-1]["eval_tau"]
+        == [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()][-1]["eval_tau"]
     )
     # only drafter rank 0 writes: one line per step
     assert [r["step"] for r in records] == list(range(1, 7))

@@ -503,7 +503,9 @@ def test_throughput_model_names_the_bottleneck_and_the_best_split():
     # the seed's context features are [65,536, 5 x 5,120] bf16 = 3.36 GB per row (DESIGN.md 4b)
     cfg = load_config(["ddtree-experiment"], ["target.path=null", "topology.target_model=qwen3.6-27b"])
     shape, w = load_target_shape("qwen3.6-27b"), plan_for_config(cfg).workload
-    assert bytes_per_row(shape, w) == pytest.approx(3.355e9 + 24_576 * 5_120 * 2, rel=1e-3)
+    context, teacher, ints = 65_536 * 5 * 5_120 * 2, 24_576 * 5_120 * 2, 8 * (3 * 65_536 + 1_024) + 80
+    assert (w.seq_len, w.max_anchors * w.block_size) == (65_536, 24_576)
+    assert bytes_per_row(shape, w) == context + teacher + ints  # integers: exact
     ids = [1, 16, 31, 46, 61]
     one = throughput(shape, w, ids, 0, 1, peak_flops=1e15, link_bytes_per_s=1e11)
     split = throughput(shape, w, ids, 3, 1, peak_flops=1e15, link_bytes_per_s=1e11)
