@@ -113,9 +113,8 @@ def test_convolutions_never_cross_a_block_boundary(small_target, backend):
         assert not torch.equal(after[b], before[b])
         keep = [i for i in range(blocks.anchors.numel()) if i != b]
         assert torch.equal(after[keep], before[keep]), f"block {b}'s tokens reached another block"
-    bound = test_drafter.layout_bound(
-        drafter, before[blocks.valid], positions.numel(), extra_layers=1
-    )  # + the convolution
+    # float64 in two operation orders: test_drafter.layout_bound, the convolution one layer more
+    bound = test_drafter.layout_bound(drafter, before[blocks.valid], positions.numel(), extra_layers=1)
     for b, ref in enumerate(per_block_reference(drafter, blocks, features, positions)):
         if ref is not None:
             assert torch.allclose(before[b], ref, rtol=0, atol=bound), f"block {b}"

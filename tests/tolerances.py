@@ -145,13 +145,13 @@ def fused_loss_error(
     block_ids=None,
 ):  # fmt: skip
     """Bounds for the fused draft loss with ``terms`` (a ``LossTerms``; its call keywords: the low-rank
-    bias and the block ids) computed from the float64 inputs rounded to ``dtype`` (fp32, or
-    bf16 with fp32 logits; float64 computes in float64, and is then bounded against the exact value,
-    so two float64 evaluations differ by at most twice the bounds), against the float64 reference on the
-    float64 inputs: ``(loss_error,
-    grad_error, term_error)``: the loss's absolute error, an elementwise ``[N, H]`` bound on the
-    gradient of ``hs`` (before its own rounding to ``dtype``), and the bound of a metric that averages
-    one per-row term (CE, KL, CAP's entropy). Magnitudes come from the float64 distributions.
+    bias and the block ids) computed from the float64 inputs rounded to ``dtype`` (fp32, or bf16 with
+    fp32 logits), against the float64 reference on the float64 inputs; for ``dtype`` float64, computed
+    in float64 against the exact value, so two float64 evaluations differ by at most twice the bounds.
+    Returns ``(loss_error, grad_error, term_error)``: the loss's absolute error, an elementwise
+    ``[N, H]`` bound on the gradient of ``hs`` (before its own rounding to ``dtype``), and the bound of
+    a metric that averages one per-row term (CE, KL, CAP's entropy). Magnitudes come from the float64
+    distributions.
 
     Derivation (the rules of the module docstring):
     - logits: rounding h and W to ``dtype`` (u_d each), the GEMM (gamma_H, fp32 accumulation) and for a
