@@ -156,12 +156,9 @@ def test_propose_is_the_selector_walk(small_target):
     assert drafts == want
     for k, (cand, s) in enumerate(scores):
         assert torch.isinf(log_probs[k]).sum() == 64 - drafter.candidate_selector.top_k  # zero outside the K
-        # a log-probability is within the softmax's relative error (first order) plus its own rounding,
-        # on each side
+        # two float64 log-softmaxes: tolerances.log_softmax_error on each side
         exact = torch.log_softmax(s, -1)
-        spread = (s.max() - s.min()).item()
-        u = tolerances.unit_roundoff(F64)
-        bound = 2 * (tolerances.softmax_error(s.numel(), spread, F64) + u * exact.abs())
+        bound = 2 * tolerances.log_softmax_error(s.numel(), (s.max() - s.min()).item(), exact, F64)
         assert ((log_probs[k][cand] - exact).abs() <= bound).all()
     # teacher-forced eval reads the same drafts
     logits = variant.draft_logits(drafter, hidden[None], torch.tensor([7]), None)
@@ -184,8 +181,8 @@ def test_ddtree_follows_the_selector_given_each_nodes_token(small_target):
     assert len(tree) == 12
     sel = drafter.candidate_selector
     unary = hidden[1:] @ drafter.lm_head_weight.T
-    # a node's log-probability is its parent's plus its own: the own term within twice the log-softmax's
-    # bound (as in test_propose_is_the_selector_walk), the addition one rounding on each side
+    # a node's log-probability is its parent's plus its own: the own term within
+    # tolerances.log_softmax_error on each side, the addition one rounding on each side
     u = tolerances.unit_roundoff(F64)
     for i, (tok, depth, parent) in enumerate(zip(tree.tokens, tree.depths, tree.parents)):
         prev = 7 if parent < 0 else tree.tokens[parent]
@@ -197,7 +194,7 @@ def test_ddtree_follows_the_selector_given_each_nodes_token(small_target):
         own = lp[cand.tolist().index(tok)]
         parent_lp = 0.0 if parent < 0 else tree.logprobs[parent]
         spread = (scores.max() - scores.min()).item()
-        own_apart = 2 * (tolerances.softmax_error(sel.top_k, spread, F64) + u * abs(float(own)))
+        own_apart = 2 * tolerances.log_softmax_error(sel.top_k, spread, float(own), F64)
         assert abs(tree.logprobs[i] - (parent_lp + float(own))) <= own_apart + 2 * u * abs(tree.logprobs[i])
     # the greedy walk is the tree's first path
     drafts = variant.propose(drafter, hidden, 7)[1]

@@ -59,17 +59,6 @@ TERMS = {
 KERNELS = pytest.mark.parametrize("compiled", [False, "native"], ids=["eager", "native"])
 
 
-def float64_bounds(hs, ht, w_head, labels, weights, terms):
-    """``(loss, gradient, averaged term)`` bounds between two float64 evaluations of the loss in different
-    orders (the fused path in chunks, the reference, another chunking): each is within
-    ``tolerances.fused_loss_error`` at float64 of the exact value, so they are within the sum of two
-    (``tolerances.combined``). A wrong term, weight or temperature moves them by 1e-4 or more."""
-    loss_error, grad_error, term_error = tolerances.fused_loss_error(
-        hs.detach(), ht, w_head, labels, weights, F64, terms
-    )
-    return tuple(tolerances.combined(b, b) for b in (loss_error, grad_error, term_error))
-
-
 @KERNELS
 @pytest.mark.parametrize("name", list(TERMS))
 def test_matches_reference_float64(name, compiled):
@@ -83,7 +72,7 @@ def test_matches_reference_float64(name, compiled):
     ref_loss, ref_metrics = reference_draft_loss(hs, ht, w_head, labels, weights, terms)
     (ref_grad,) = torch.autograd.grad(ref_loss, hs)
     assert loss.dtype == F64
-    loss_bound, grad_bound, term_bound = float64_bounds(hs, ht, w_head, labels, weights, terms)
+    loss_bound, grad_bound, term_bound = tolerances.fused_loss_float64_apart(hs, ht, w_head, labels, weights, terms)
     assert abs(loss.item() - ref_loss.item()) <= loss_bound
     assert ((grad - ref_grad).abs() <= grad_bound).all()
     assert grad[weights == 0].abs().max().item() == 0.0  # weight-0 rows get no gradient
@@ -100,7 +89,7 @@ def test_chunk_invariance(chunk):
     (base_grad,) = torch.autograd.grad(base, hs)
     loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk)
     (grad,) = torch.autograd.grad(loss, hs)
-    loss_bound, grad_bound, _ = float64_bounds(hs, ht, w_head, labels, weights, terms)
+    loss_bound, grad_bound, _ = tolerances.fused_loss_float64_apart(hs, ht, w_head, labels, weights, terms)
     assert abs(loss.item() - base.item()) <= loss_bound
     assert ((grad - base_grad).abs() <= grad_bound).all()
 
@@ -115,7 +104,7 @@ def test_compiled_matches_eager_across_chunkings(chunk, kernel):
     (base_grad,) = torch.autograd.grad(base, hs)
     loss, m = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=chunk, compile=kernel, **kw)
     (grad,) = torch.autograd.grad(loss, hs)
-    loss_bound, grad_bound, term_bound = float64_bounds(hs, ht, w_head, labels, weights, terms)
+    loss_bound, grad_bound, term_bound = tolerances.fused_loss_float64_apart(hs, ht, w_head, labels, weights, terms)
     assert abs(loss.item() - base.item()) <= loss_bound
     assert ((grad - base_grad).abs() <= grad_bound).all()
     assert ((m["per_slot"]["ce"] - base_m["per_slot"]["ce"]).abs() <= term_bound).all()
@@ -172,7 +161,10 @@ def test_a_kernel_that_cannot_be_built_falls_back(monkeypatch, tmp_path):
                 loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, terms, chunk_size=7)
         assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
         assert fused.epilogue_kind("auto", torch.device("cpu"), F64) == "eager"
-        assert abs(loss.item() - ref.item()) <= float64_bounds(hs, ht, w_head, labels, weights, terms)[0]
+        assert (
+            abs(loss.item() - ref.item())
+            <= tolerances.fused_loss_float64_apart(hs, ht, w_head, labels, weights, terms)[0]
+        )
         assert list(tmp_path.iterdir()) == []  # no half-written library left behind
     finally:
         native.reset()
@@ -289,9 +281,9 @@ def test_grad_output_scaling_and_retain_graph():
     hs, ht, w_head, labels, weights, _ = make_inputs()
     loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, TERMS["combined_T"])
     (g1,) = torch.autograd.grad(loss, hs, retain_graph=True)
-    # k times the gradient two ways: each within k float64_bounds of k times the exact one, and k g1's
-    # own rounding (and the accumulation's, for the second backward) one unit each
-    _, grad_bound, _ = float64_bounds(hs, ht, w_head, labels, weights, TERMS["combined_T"])
+    # k times the gradient two ways: each within k times tolerances.fused_loss_float64_apart of k times
+    # the exact one, and k g1's own rounding (and the accumulation's, for the second backward) one unit each
+    _, grad_bound, _ = tolerances.fused_loss_float64_apart(hs, ht, w_head, labels, weights, TERMS["combined_T"])
     u = tolerances.unit_roundoff(F64)
     (3 * loss).backward(retain_graph=True)
     assert ((hs.grad - 3 * g1).abs() <= 3 * grad_bound + u * (3 * g1).abs()).all()
@@ -311,7 +303,7 @@ def test_upstream_graph_receives_gradient():
     # the weight's gradient is dh^T x: the loss's gradient bound on dh carried through that GEMM (over the
     # N rows), plus the GEMM's own rounding on each side
     h = layer(x).detach()
-    _, grad_bound, _ = float64_bounds(h, ht, w_head, labels, weights, TERMS["combined_T1"])
+    _, grad_bound, _ = tolerances.fused_loss_float64_apart(h, ht, w_head, labels, weights, TERMS["combined_T1"])
     (dh,) = torch.autograd.grad(
         reference_draft_loss(h.requires_grad_(), ht, w_head, labels, weights, TERMS["combined_T1"])[0], h
     )
@@ -339,7 +331,8 @@ def test_no_grad_does_no_gradient_work():
     with torch.no_grad(), OpRecorder() as rec:
         loss, _ = fused_draft_loss(hs, ht, w_head, labels, weights, TERMS["combined_T1"], chunk_size=100)
     assert (
-        abs(loss.item() - with_grad.item()) <= float64_bounds(hs, ht, w_head, labels, weights, TERMS["combined_T1"])[0]
+        abs(loss.item() - with_grad.item())
+        <= tolerances.fused_loss_float64_apart(hs, ht, w_head, labels, weights, TERMS["combined_T1"])[0]
     )
     assert rec.count("mm") == 2  # student and teacher logits; no G @ W
     with torch.no_grad(), OpRecorder() as rec:

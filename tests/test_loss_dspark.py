@@ -106,16 +106,14 @@ CASES = {
 
 
 def float64_bounds(case, inputs):
-    """``(loss, (gradient of h[, of the bias rows, of W2]), averaged term)`` bounds between two float64
-    evaluations of ``case``'s loss on ``inputs`` in different orders: each within
-    ``tolerances.fused_loss_error`` at float64 (bias and credit included) of the exact value."""
+    """``tolerances.fused_loss_float64_apart`` of ``case``'s loss on ``inputs`` (bias and credit
+    included), the gradient bounds always a tuple: (h[, the bias rows, W2])."""
     hs, ht, w_head, labels, weights, e, w2, _, blocks = inputs
     kw = dict(bias_rows=e, bias_weight=w2) if case.bias else {}
-    loss_error, grad_errors, term_error = tolerances.fused_loss_error(
-        hs, ht, w_head, labels, weights, F64, case.terms, block_ids=blocks, **kw
+    loss_apart, grad_apart, term_apart = tolerances.fused_loss_float64_apart(
+        hs, ht, w_head, labels, weights, case.terms, block_ids=blocks, **kw
     )
-    grad_errors = grad_errors if isinstance(grad_errors, tuple) else (grad_errors,)
-    return 2 * loss_error, tuple(2 * g for g in grad_errors), 2 * term_error
+    return loss_apart, grad_apart if isinstance(grad_apart, tuple) else (grad_apart,), term_apart
 
 
 def _call(fn, case, hs, ht, w_head, labels, weights, e, w2, slots, blocks, **extra):

@@ -75,6 +75,13 @@ def softmax_error(n: int, spread: float, dtype: torch.dtype = torch.float32) -> 
     return u * spread + elementary_error(dtype) + gamma(n - 1, dtype) + u
 
 
+def log_softmax_error(n: int, spread: float, values, dtype: torch.dtype = torch.float32):
+    """Bound of each log-probability ``values`` of a log-softmax over n logits computed in ``dtype``
+    (``spread`` as in ``softmax_error``): the probability's relative error is, to first order, an absolute
+    one on its log, plus the result's own rounding."""
+    return softmax_error(n, spread, dtype) + unit_roundoff(dtype) * abs(values)
+
+
 def combined(*bounds):
     """Two fast results each within its bound of the same float64 reference differ by at most the sum."""
     return sum(bounds[1:], bounds[0])
@@ -303,6 +310,21 @@ def fused_loss_error(
         w2_error = (delta.max() + coef_rel.max() + gamma(n, acc) + 2 * u_d) * abs(logit_scale) * (g_abs.T @ e.abs())
         grad_error = (grad_error, e_error, w2_error)
     return loss_error.item(), grad_error, term_error.item()
+
+
+def fused_loss_float64_apart(hs, ht, w_head, labels, weights, terms: LossTerms, **keywords):
+    """``(loss, gradient, averaged term)`` bounds between two float64 evaluations of the fused loss in
+    different orders (the fused path in chunks, the reference, another chunking): each is within
+    ``fused_loss_error`` at float64 of the exact value, so they are within the sum of two (``combined``);
+    ``keywords``: the loss's bias and block ids, with which the gradient bound is a tuple (h, e, W2)."""
+    loss_error, grad_error, term_error = fused_loss_error(
+        hs, ht, w_head, labels, weights, torch.float64, terms, **keywords
+    )
+    if isinstance(grad_error, tuple):
+        grad_apart = tuple(combined(g, g) for g in grad_error)
+    else:
+        grad_apart = combined(grad_error, grad_error)
+    return combined(loss_error, loss_error), grad_apart, combined(term_error, term_error)
 
 
 def float64_forward_error(layers: int, inner: int, amplification: float = 1e3) -> float:
