@@ -39,7 +39,11 @@ def run(request: dict) -> dict:
     finally:
         sys.argv, sys.path[0] = argv, path0
         os.chdir(cwd)
-        gc.collect()
+        gc.collect()  # the script's namespace and what it built: its functions' globals make a cycle
+        # What is left (the imported torch, transformers and the writer's package) stays: frozen out of
+        # every later collection, which would walk it again after each script (12 scripts in one
+        # process: 4.4 of its 24 CPU-s were collections, measured 2026-12-07)
+        gc.freeze()
     return {"ok": ok, "output": output.getvalue()[-20000:]}
 
 
