@@ -1,5 +1,6 @@
 """The real `dflash-train` process: bad input ends with one stderr line and a non-zero exit."""
 
+import json
 import subprocess
 import sys
 
@@ -79,3 +80,49 @@ def test_a_command_imports_only_its_own_module():
         assert f"\n    {command} " in helped.stdout or f"\n    {command}\n" in helped.stdout, helped.stdout
     unknown = in_process("trian")
     assert unknown.returncode == 2 and "invalid choice: 'trian'" in unknown.stderr
+
+
+def test_the_executable_freezes_what_its_start_made_and_then_collects_as_before():
+    """``freeze_startup_heap`` (installed by the executable, ``entry``): what survives each of the start's
+    full collections is frozen, and once they are done the collector is Python's own again: a reference
+    cycle made later is freed by the next collection. ``main`` alone leaves the caller's collector be."""
+    probe = """
+import gc, json
+from dflash_trainer.cli import freeze_startup_heap
+from importlib.metadata import entry_points
+assert gc.get_freeze_count() == 0
+freeze_startup_heap(2)
+gc.collect(1)  # not a full collection: nothing frozen
+frozen = [gc.get_freeze_count()]
+gc.collect()
+frozen.append(gc.get_freeze_count())
+gc.collect()
+frozen.append(gc.get_freeze_count())
+class Node:
+    pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+del a, b
+found = gc.collect()
+print(json.dumps([frozen, found, gc.get_freeze_count() == frozen[-1], len(gc.callbacks),
+                  entry_points(group="console_scripts")["dflash-train"].value]))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    frozen, found, unchanged, callbacks, script = json.loads(done.stdout.splitlines()[-1])
+    assert frozen[0] == 0 and 0 < frozen[1] <= frozen[2], frozen  # each full collection froze its survivors
+    assert found >= 2 and unchanged and callbacks == 0  # then the collector freed the cycle, froze nothing
+    assert script == "dflash_trainer.cli:entry"
+    # the same probe through main: no freezing in the caller's process
+    plain = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import gc; from dflash_trainer.cli import main; main(['presets']); gc.collect(); "
+            "print(gc.get_freeze_count(), len(gc.callbacks))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert plain.returncode == 0 and plain.stdout.split()[-2:] == ["0", "0"], plain.stdout + plain.stderr
