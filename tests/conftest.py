@@ -20,6 +20,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # 56 s of CPU on one thread instead of 72 s on two, measured on 2 cores, idle)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+# What importing torch, transformers, the package and the test files makes lives as long as the process:
+# frozen after each full collection of the start (dflash_trainer.cli.freeze_startup_heap, torch-free to
+# import), until the test files are collected (``pytest_collection_finish``; the xdist controller, which
+# collects none, at ``pytest_configure``): a collection ran 7.0 CPU-s, 4.4 frozen so, and each xdist worker
+# collects every file. Before torch is imported below.
+from dflash_trainer.cli import freeze_startup_heap  # noqa: E402
+
+_stop_freezing = freeze_startup_heap(None)
+
 # The Triton loss kernel is tested on the CPU under Triton's interpreter (tests/test_loss_triton.py). Triton
 # reads TRITON_INTERPRET when it is first imported, and several torch and transformers modules import it
 # (a test file collected before test_loss_triton.py, or run before it in the same xdist worker, left
@@ -126,7 +135,13 @@ from cpu_report import (  # noqa: E402, F401
 )
 
 
+def pytest_collection_finish(session):
+    _stop_freezing()  # what the tests make is collected as Python collects it
+
+
 def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        _stop_freezing()  # the xdist controller: it collects no test file
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's; see LONGEST_FILES
         config.option.loadscopereorder = False
 

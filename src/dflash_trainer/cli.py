@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from collections.abc import Callable
 
 from . import __version__
 from .errors import UserError
@@ -86,25 +87,33 @@ def main(argv: list[str] | None = None) -> int:
 STARTUP_COLLECTIONS = 8
 
 
-def freeze_startup_heap(collections: int = STARTUP_COLLECTIONS) -> None:
-    """Leave what survives each of the process's next ``collections`` full collections out of every
-    later one (``gc.freeze``, as vLLM freezes its engine's heap once started): imported modules, the
-    model, the config, which live as long as the process. Each full collection of the start then walks
-    only what was made since the last: a one-step tiny-target training spends 0.15 CPU-s collecting
-    instead of 0.74, and its process 4.0 s of user CPU instead of 5.1 (three runs each, side by side).
-    Objects that die later are still freed by their reference counts; only a reference cycle among
-    objects frozen here would outlive its use. Called once, by the process's entry point (``entry``
-    and ``python -m``), never by ``main``: a caller of ``main`` in its own process keeps its collector."""
+def freeze_startup_heap(collections: int | None = STARTUP_COLLECTIONS) -> Callable[[], None]:
+    """Leave what survives each of the process's next ``collections`` full collections (``None``: until
+    stopped) out of every later one (``gc.freeze``, as vLLM freezes its engine's heap once started):
+    imported modules, the model, the config, which live as long as the process. Each full collection of
+    the start then walks only what was made since the last: a one-step tiny-target training spends
+    0.15 CPU-s collecting instead of 0.74, and its process 4.0 s of user CPU instead of 5.1 (three runs
+    each, side by side). Objects that die later are still freed by their reference counts; only a
+    reference cycle among objects frozen here would outlive its use. Called once, by the process's
+    entry point (``entry`` and ``python -m``), never by ``main``: a caller of ``main`` in its own
+    process keeps its collector. Returns a function that stops it (tests/conftest.py: once the test
+    files are collected)."""
     left = [collections]
 
     def freeze_survivors(phase: str, info: dict) -> None:
         if phase == "stop" and info["generation"] == 2:
             gc.freeze()
-            left[0] -= 1
-            if left[0] == 0:
-                gc.callbacks.remove(freeze_survivors)
+            if left[0] is not None:
+                left[0] -= 1
+                if left[0] == 0:
+                    stop()
+
+    def stop() -> None:
+        if freeze_survivors in gc.callbacks:
+            gc.callbacks.remove(freeze_survivors)
 
     gc.callbacks.append(freeze_survivors)
+    return stop
 
 
 def entry() -> None:
