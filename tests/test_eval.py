@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import tolerances
 import torch
+from trained import capture_then_train
 
 from dflash_trainer.cli import main
 from dflash_trainer.commands.eval import unique_labels
@@ -84,10 +85,7 @@ def setup(tmp_path_factory):
     data = write_regenerated(tmp / "data.jsonl", model, tok)
     sets = [*SMALL, f"data.train_files=[{data}]", f"data.eval_files=[{data}]", f"output_dir={tmp / 'run'}"]
     once = [f"train.eval_every={TRAIN_STEPS}", f"train.save_every={TRAIN_STEPS}", "data.max_eval_rows=1"]
-    run = ["--config", "tiny-demo", "--no-progress", *(a for s in [*sets, *once] for a in ("--set", s))]
-    features = tmp / "features"
-    assert main(["capture", *run, "--out", str(features), "--set", "capture.dtype=float32"]) == 0
-    assert main(["train", *run, "--set", f"data.features={features}"]) == 0
+    capture_then_train([*sets, *once], tmp / "features", "the eval tests' drafter")
     cfg = load_config(["tiny-demo"], sets)
     target, tok, _, eval_rows, _ = prepare(cfg)
     drafter, _ = load_drafter(tmp / "run" / "checkpoints" / f"step-{TRAIN_STEPS:07d}", target)

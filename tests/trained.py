@@ -111,6 +111,19 @@ def greedy_records() -> tuple[list[list[int]], list[dict], list[list[int]]]:
     return saved["prompts"], saved["records"], saved["greedy"]
 
 
+def capture_then_train(options: list[str], features: Path, what: str) -> None:
+    """``dflash-train capture`` (float32 features) of the tiny-demo run with ``--set`` ``options`` into
+    ``features``, then ``train`` from them, in this process: a user's training from a feature cache,
+    equal to the online run bit for bit (test_offline.py). ``what`` names the drafter in a failure."""
+    from dflash_trainer.cli import main
+
+    run = ["--config", "tiny-demo", "--no-progress", *(arg for option in options for arg in ("--set", option))]
+    if main(["capture", *run, "--out", str(features), "--set", "capture.dtype=float32"]) != 0:
+        raise AssertionError(f"capture for {what} failed (see its output)")
+    if main(["train", *run, "--set", f"data.features={features}"]) != 0:
+        raise AssertionError(f"training {what} failed (see its output)")
+
+
 def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
     """A drafter (``overrides``: more ``--set`` settings, e.g. a variant) trained for ``steps`` on the
     tiny target's greedy continuations of 32 held-out prompts; 8 more prompts are kept for decoding.
@@ -140,17 +153,9 @@ def train_on_greedy(*overrides: str, steps: int = 150) -> dict:
     if not done.is_file():
         with FileLock(str(root) + ".lock"):
             if not done.is_file():  # else trained by another worker while this one waited
-                from dflash_trainer.cli import main
-
                 root.mkdir(parents=True, exist_ok=True)
                 (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[8:]))
-                sets = [arg for option in options for arg in ("--set", option)]
-                features = root / "features"
-                run = ["--config", "tiny-demo", "--no-progress", *sets]
-                if main(["capture", *run, "--out", str(features), "--set", "capture.dtype=float32"]) != 0:
-                    raise AssertionError(f"capture for the shared drafter {overrides} failed (see its output)")
-                if main(["train", *run, "--set", f"data.features={features}"]) != 0:
-                    raise AssertionError(f"training the shared drafter {overrides} failed (see its output)")
+                capture_then_train(options, root / "features", f"the shared drafter {overrides}")
                 target, tok, _, eval_rows, _ = prepare(cfg)
                 drafter, _ = load_drafter(root / "run" / "checkpoints" / f"step-{steps:07d}", target)
                 save_drafter(drafter, root / "ckpt", target=target, target_path="tiny")
